@@ -1,0 +1,125 @@
+"""Argument checks shared by the optimizers: clear errors, raised at construction or ``init``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_static_number(value: Any) -> bool:
+    """True for Python/NumPy numbers (checkable now); False for tracers and schedules."""
+    return isinstance(value, int | float | np.number) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``value`` is an integer ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``low <= value < high`` (or ``<= high``)."""
+    if not is_static_number(value):
+        return
+    ok = low <= value < high if high_open else low <= value <= high
+    if not ok or np.isnan(value):
+        bracket = ")" if high_open else "]"
+        raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}.")
+
+
+def check_learning_rate(learning_rate: Any) -> None:
+    """A float >= 0, an array (e.g. injected), or a schedule (callable)."""
+    if callable(learning_rate):
+        return
+    if isinstance(learning_rate, bool) or not (
+        is_static_number(learning_rate) or isinstance(learning_rate, jax.Array)
+    ):
+        raise ValueError(
+            f"learning_rate must be a float or an optax.Schedule, got {learning_rate!r}."
+        )
+    check_range("learning_rate", learning_rate, 0.0, float("inf"), high_open=True)
+
+
+def check_axis_name(axis_name: Any) -> None:
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise ValueError(
+            f"axis_name must be the name (a str) of the worker axis bound by shard_map / pmap / "
+            f"vmap, or None for a single worker; got {axis_name!r}."
+        )
+
+
+def evaluate(hyperparam: Any, count: jax.Array) -> jax.Array:
+    """``h(count)`` for a schedule, ``h`` otherwise (optax convention: count before the step)."""
+    return jnp.asarray(hyperparam(count) if callable(hyperparam) else hyperparam, jnp.float32)
+
+
+def check_tree_matches(tree: Any, reference: Any, what: str, reference_what: str) -> None:
+    """Raises ``ValueError`` if ``tree`` and ``reference`` have different structures or shapes."""
+    got, want = jax.tree.structure(tree), jax.tree.structure(reference)
+    if got != want:
+        raise ValueError(
+            f"{what} does not have the tree structure of {reference_what}.\n"
+            f"  {what}: {got}\n  {reference_what}: {want}"
+        )
+    for path, a, b in zip(
+        jax.tree_util.tree_leaves_with_path(tree),
+        jax.tree.leaves(tree),
+        jax.tree.leaves(reference),
+    ):
+        if jnp.shape(a) != jnp.shape(b):
+            raise ValueError(
+                f"{what} leaf {jax.tree_util.keystr(path[0])} has shape {jnp.shape(a)}, but "
+                f"{reference_what} has {jnp.shape(b)} there."
+            )
+
+
+def check_mask(mask: Any, params: Any) -> None:
+    """A compression mask must be a tree like ``params`` of 0/1 values (per leaf or per element)."""
+    if mask is None:
+        return
+    if jax.tree.structure(mask) != jax.tree.structure(params):
+        raise ValueError(
+            "mask must be a pytree with the structure of the params (one 0/1 array, or one "
+            "0/1 scalar, per parameter leaf).\n"
+            f"  mask: {jax.tree.structure(mask)}\n  params: {jax.tree.structure(params)}"
+        )
+    for path, m, p in zip(
+        jax.tree_util.tree_leaves_with_path(mask), jax.tree.leaves(mask), jax.tree.leaves(params)
+    ):
+        where = jax.tree_util.keystr(path[0])
+        if jnp.shape(m) not in ((), jnp.shape(p)):
+            raise ValueError(
+                f"mask leaf {where} has shape {jnp.shape(m)}; it must be a scalar or have the "
+                f"shape of the parameter, {jnp.shape(p)}."
+            )
+        if not isinstance(m, jax.core.Tracer):
+            values = np.asarray(m)
+            if not np.all((values == 0) | (values == 1)):
+                raise ValueError(f"mask leaf {where} must contain only 0 and 1 (or booleans).")
+
+
+def apply_mask(mask: Any, tree: Any) -> Any:
+    """``mask * tree`` leafwise (``mask=None`` is all ones)."""
+    if mask is None:
+        return tree
+    return jax.tree.map(lambda m, x: jnp.asarray(m, x.dtype) * x, mask, tree)
+
+
+def float32_like(tree: Any) -> Any:
+    """Zero buffers like ``tree`` in float32 (or wider if a leaf is wider)."""
+    return jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(p.dtype, jnp.float32)), tree
+    )
+
+
+def as_int32_state(tree: Any) -> Any:
+    """A policy state made of Python ints, as int32 arrays."""
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), tree)
+
+
+def where_tree(pred: jax.Array, a: Any, b: Any) -> Any:
+    """Leafwise ``jnp.where(pred, a, b)`` for a scalar predicate."""
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)

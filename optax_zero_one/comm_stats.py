@@ -1,0 +1,298 @@
+"""What a compiled program communicates: collectives and bytes, read from optimised HLO.
+
+``comm_stats(fn, *args)`` compiles ``fn`` (``jax.jit(fn).lower(*args).compile()``; arguments may
+be ``jax.ShapeDtypeStruct`` so nothing is allocated) and walks the optimised HLO text:
+
+- every collective instruction (``all-reduce``, ``all-gather``, ``all-to-all``,
+  ``reduce-scatter``, ``collective-permute``, ``collective-broadcast``; async ``-start``/``-done``
+  pairs counted once), with its operand dtypes and bytes (operand shapes come from a table of
+  instruction definitions, since HLO does not print them inline), its group size (from
+  ``replica_groups``, explicit or iota form, or the module's partition count);
+- how often it runs per call: inside a ``while`` body it runs ``known_trip_count`` times (unknown
+  trip counts are reported as ``None``); inside a ``conditional`` branch it is flagged, since it
+  runs only when that branch is taken.
+
+Bytes *sent per device* follow the usual bandwidth-optimal algorithms, for a payload of ``S``
+bytes per device and a group of ``N``: all-reduce ``2 S (N-1)/N`` (ring), all-gather
+``S (N-1)`` (every device's shard reaches ``N-1`` others), all-to-all and reduce-scatter
+``S (N-1)/N``, collective-permute ``S``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "all-to-all",
+    "reduce-scatter",
+    "collective-permute",
+    "collective-broadcast",
+)
+_BITS = {
+    "pred": 8,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+}
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program.
+
+    Attributes:
+      kind: ``"all-reduce"``, ``"all-gather"``, ``"all-to-all"``, ``"reduce-scatter"``,
+        ``"collective-permute"`` or ``"collective-broadcast"``.
+      dtypes: the operand element types, e.g. ``("u8",)``.
+      payload_bytes: operand bytes on one device, all operands together.
+      group_size: number of devices taking part.
+      sent_bytes: bytes one device sends per execution (see the module docstring).
+      executions: times it runs per call of the program (``None`` if inside a loop of unknown
+        trip count).
+      conditional: whether it sits in a ``conditional`` branch (runs only when taken).
+      name: the instruction's name in the HLO.
+    """
+
+    kind: str
+    dtypes: tuple[str, ...]
+    payload_bytes: int
+    group_size: int
+    sent_bytes: float
+    executions: int | None
+    conditional: bool
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CommStats:
+    """The collectives of one compiled program and the bytes each device sends per call."""
+
+    collectives: tuple[Collective, ...]
+
+    def count(self, kind: str | None = None) -> int:
+        """Number of collective instructions (of ``kind``, if given), each counted once."""
+        return sum(1 for c in self.collectives if kind is None or c.kind == kind)
+
+    @property
+    def launches(self) -> int:
+        """Collective executions per call (instructions times trip counts; branches included)."""
+        return sum(c.executions or 0 for c in self.collectives)
+
+    @property
+    def sent_bytes_per_device(self) -> float:
+        """Bytes one device sends per call, all collectives together (branches included)."""
+        return sum(c.sent_bytes * (c.executions or 0) for c in self.collectives)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Operand bytes of all collectives per call on one device."""
+        return sum(c.payload_bytes * (c.executions or 0) for c in self.collectives)
+
+    def table(self) -> str:
+        """A readable one-line-per-collective table."""
+        rows = [f"{'kind':<20} {'dtypes':<12} {'N':>4} {'payload B':>12} {'sent B':>12} runs"]
+        for c in self.collectives:
+            runs = "?" if c.executions is None else str(c.executions)
+            runs += " (in branch)" if c.conditional else ""
+            rows.append(
+                f"{c.kind:<20} {','.join(c.dtypes):<12} {c.group_size:>4} "
+                f"{c.payload_bytes:>12,} {c.sent_bytes:>12,.0f} {runs}"
+            )
+        rows.append(f"total sent per device: {self.sent_bytes_per_device:,.0f} B")
+        return "\n".join(rows)
+
+
+def array_bytes(type_text: str) -> int:
+    """Bytes of every array in an HLO type string (a tuple type sums its elements)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype not in _BITS:
+            continue
+        numel = 1
+        for d in filter(None, dims.split(",")):
+            numel *= int(d)
+        total += numel * _BITS[dtype] // 8
+    return total
+
+
+def _split_type(rhs: str) -> tuple[str, str]:
+    """Splits ``TYPE opcode(...)...`` into the type and the rest."""
+    rhs = rhs.strip()
+    if rhs.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rhs):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rhs[: i + 1], rhs[i + 1 :].strip()
+    head, _, rest = rhs.partition(" ")
+    return head, rest.strip()
+
+
+def _operands(rest: str) -> tuple[str, list[str], str]:
+    """Opcode, operand names and attribute text of ``opcode(operands), attrs``."""
+    opcode, _, tail = rest.partition("(")
+    depth, i = 1, 0
+    while i < len(tail) and depth:
+        depth += tail[i] == "("
+        depth -= tail[i] == ")"
+        i += 1
+    inside, attrs = tail[: i - 1], tail[i:]
+    names, depth, current = [], 0, ""
+    for ch in inside + ",":
+        if ch == "," and depth == 0:
+            token = current.strip().split(" ")[-1].lstrip("%")
+            if token:
+                names.append(token)
+            current = ""
+            continue
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        current += ch
+    return opcode.strip(), names, attrs
+
+
+def _group_size(attrs: str, default: int) -> int:
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+    if iota:
+        return int(iota.group(2))
+    explicit = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attrs)
+    if explicit and explicit.group(1).strip():
+        return len(explicit.group(1).split(","))
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if pairs:
+        return len(set(re.findall(r"\d+", pairs.group(1))))
+    return default
+
+
+def _sent_bytes(kind: str, payload: int, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2.0 * payload * (n - 1) / n
+    if kind == "all-gather":
+        return float(payload * (n - 1))
+    if kind in ("all-to-all", "reduce-scatter"):
+        return payload * (n - 1) / n
+    return float(payload)  # collective-permute / broadcast: the operand once
+
+
+def parse_hlo(text: str) -> CommStats:
+    """Collectives and bytes of an optimised HLO module given as text (see module docstring)."""
+    text = _COMMENT.sub("", text)
+    header = text.splitlines()[0] if text else ""
+    parts = re.search(r"num_partitions=(\d+)", header)
+    reps = re.search(r"replica_count=(\d+)", header)
+    default_group = max(int(parts.group(1)) if parts else 1, int(reps.group(1)) if reps else 1)
+
+    computations: dict[str, list[tuple[str, str, str, list[str], str]]] = {}
+    shapes: dict[str, str] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        head = _HEADER.match(line)
+        if head and "=" not in line.split("(")[0]:
+            current = head.group(2)
+            computations[current] = []
+            if head.group(1):
+                entry = current
+            continue
+        define = _DEF.match(line)
+        if current is None or not define:
+            continue
+        name, rhs = define.groups()
+        type_text, rest = _split_type(rhs)
+        opcode, operands, attrs = _operands(rest)
+        shapes[name] = type_text
+        computations[current].append((name, type_text, opcode, operands, attrs))
+
+    found: list[Collective] = []
+
+    def walk(comp: str, runs: int | None, in_branch: bool) -> None:
+        for name, _type, opcode, operands, attrs in computations.get(comp, []):
+            base = opcode.removesuffix("-start")
+            if base in _KINDS and not opcode.endswith("-done"):
+                payload = sum(array_bytes(shapes.get(op, "")) for op in operands)
+                dtypes = sorted(
+                    {d for op in operands for d, _ in _ARRAY.findall(shapes.get(op, ""))}
+                )
+                n = _group_size(attrs, default_group)
+                found.append(
+                    Collective(
+                        base,
+                        tuple(dtypes),
+                        payload,
+                        n,
+                        _sent_bytes(base, payload, n),
+                        runs,
+                        in_branch,
+                        name,
+                    )
+                )
+            if opcode == "while":
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+                inner = None if runs is None or not trip else runs * int(trip.group(1))
+                for key in ("body", "condition"):
+                    called = re.search(key + r"=%?([\w.\-]+)", attrs)
+                    if called:
+                        walk(called.group(1), inner, in_branch)
+            elif opcode == "conditional":
+                branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
+                names = (
+                    [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                    if branches
+                    else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", attrs)
+                )
+                for branch in names:
+                    walk(branch, runs, True)
+            else:
+                for called in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", attrs):
+                    walk(called, runs, in_branch)
+
+    if entry is not None:
+        walk(entry, 1, False)
+    return CommStats(tuple(found))
+
+
+def comm_stats(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommStats:
+    """Compiles ``fn(*args, **kwargs)`` and reports the collectives it contains.
+
+    Args:
+      fn: a function, jitted or not (it is wrapped in ``jax.jit``); typically a
+        ``jax.shard_map``/``jax.pmap`` program over the worker axis.
+      *args: its arguments, arrays or ``jax.ShapeDtypeStruct`` (compile only, no allocation).
+      **kwargs: keyword arguments, treated as static by ``lower``.
+
+    Returns:
+      A :class:`CommStats`: one :class:`Collective` per collective instruction, with bytes
+      sent per device, and totals (``sent_bytes_per_device``, ``launches``, ``count(kind)``).
+
+    Example:
+      >>> stats = comm_stats(jax.pmap(lambda x: jax.lax.pmean(x, "i"), "i"), x)
+      >>> stats.count("all-reduce"), stats.sent_bytes_per_device
+    """
+    lowered = jax.jit(fn).lower(*args, **kwargs)
+    return parse_hlo(lowered.compile().as_text())

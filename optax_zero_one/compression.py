@@ -1,0 +1,122 @@
+"""1-bit compression with error feedback: pure functions on flat float32 vectors.
+
+These are the pieces of the compressed mean (``ALGORITHM.md``, "The 1-bit compressed mean with
+error feedback") that involve no communication:
+
+- :func:`padded_size`: the length ``P`` a leaf is padded to for ``N`` workers;
+- :func:`compress`: error-compensate, take the RMS scale and the signs, and return the new error;
+- :func:`pack_signs` / :func:`unpack_signs`: 8 signs per byte and back;
+- :func:`scales_to_bytes` / :func:`bytes_to_scales`: float32 scales bit-cast into a byte payload.
+
+Everything here is elementwise or a reduction along the last axis, so it works unchanged under
+``vmap`` and inside ``shard_map``/``pmap`` bodies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def padded_size(size: int, num_workers: int) -> int:
+    """Length a leaf of ``size`` elements is padded to for ``num_workers`` workers.
+
+    The smallest multiple of ``N * lcm(N, 8)`` that holds ``size`` elements, so that each of the
+    ``N`` chunks is a whole number of bytes once packed 8 signs per byte (DeepSpeed's choice).
+
+    Args:
+      size: number of elements of the leaf (``>= 0``).
+      num_workers: number of workers ``N`` (``>= 1``).
+
+    Returns:
+      ``P``, a multiple of ``N * lcm(N, 8)``; ``0`` for an empty leaf.
+
+    Example:
+      >>> padded_size(100, 4)
+      128
+    """
+    if size < 0 or num_workers < 1:
+        raise ValueError(
+            f"padded_size needs size >= 0 and num_workers >= 1, got {size}, {num_workers}"
+        )
+    unit = num_workers * math.lcm(num_workers, 8)
+    return -(-size // unit) * unit
+
+
+def compress(
+    z: jax.Array, error: jax.Array, *, axis: int = -1
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Error-compensated 1-bit compression of ``z`` along ``axis``.
+
+    With ``a = z + error``::
+
+        scale = ||a||_2 / sqrt(n)            (the RMS over the ``n`` entries along ``axis``)
+        signs = a >= 0                       (zero maps to +1)
+        new_error = a - scale * (2 * signs - 1)
+
+    The RMS (not the mean absolute value) keeps the error buffer bounded over long runs.
+
+    Args:
+      z: float32 array; the values to compress (already padded).
+      error: float32 array like ``z``; the error carried from the previous call.
+      axis: the axis over which one scale is shared.
+
+    Returns:
+      ``(signs, scale, new_error)``: boolean signs like ``z``, the float32 scale (``axis``
+      reduced, kept with size 1) and the new error like ``z``.
+    """
+    a = z + error
+    n = a.shape[axis]
+    # max(., 0) is exact on squares but stands between the multiply and the first addition:
+    # otherwise LLVM may contract square-then-add into FMAs in one mapping of the workers and
+    # not in another (seen: vmap vs pmap), and scales would differ in the last bit.
+    # (lax.optimization_barrier does not help: XLA:CPU drops it before fusion.)
+    squares = jnp.maximum(jnp.square(a), 0.0)
+    scale = jnp.sqrt(pairwise_sum(squares, axis=axis) / n)
+    signs = a >= 0
+    new_error = a - jnp.where(signs, scale, -scale)
+    return signs, scale, new_error
+
+
+def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Sum along ``axis`` by explicit pairwise halving, keeping the axis with size 1.
+
+    XLA may order a reduction differently for a batched array (under ``vmap``) than for a single
+    one (under ``shard_map``/``pmap``), and the scales must be bitwise identical whichever way
+    the workers are mapped. Halving with explicit slices fixes the order of every addition (and
+    is more accurate than a sequential sum). Odd lengths are padded with one zero, which is exact.
+    """
+    x = jnp.moveaxis(x, axis, -1)
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    if x.shape[-1] == 0:
+        x = jnp.zeros((*x.shape[:-1], 1), x.dtype)
+    return jnp.moveaxis(x, -1, axis)
+
+
+def pack_signs(signs: jax.Array) -> jax.Array:
+    """Packs booleans 8 per byte along the last axis (whose length must be a multiple of 8)."""
+    return jnp.packbits(signs, axis=-1)
+
+
+def unpack_signs(packed: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Inverse of :func:`pack_signs`, as ``+1``/``-1`` values of ``dtype``."""
+    bits = jnp.unpackbits(packed, axis=-1)
+    return (2 * bits.astype(dtype) - 1).astype(dtype)
+
+
+def scales_to_bytes(scales: jax.Array) -> jax.Array:
+    """Bit-casts float32 scales of shape ``(..., L)`` into bytes of shape ``(..., 4 * L)``."""
+    raw = jax.lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint8)
+    return raw.reshape(*scales.shape[:-1], 4 * scales.shape[-1])
+
+
+def bytes_to_scales(raw: jax.Array) -> jax.Array:
+    """Inverse of :func:`scales_to_bytes`: bytes ``(..., 4 * L)`` to float32 ``(..., L)``."""
+    grouped = raw.reshape(*raw.shape[:-1], raw.shape[-1] // 4, 4)
+    return jax.lax.bitcast_convert_type(grouped, jnp.float32)

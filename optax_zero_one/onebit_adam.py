@@ -1,0 +1,166 @@
+"""1-bit Adam: full-precision warm-up, then frozen variance and 1-bit compressed momentum.
+
+The baseline 0/1 Adam is compared against (Tang et al., 2021). Every step after the warm-up
+communicates the compressed momentum (~2 bits per element), through the same fused collective
+as 0/1 Adam.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_zero_one import _checks, collective
+
+
+class OnebitAdamState(NamedTuple):
+    """State of :func:`scale_by_onebit_adam`, one per worker.
+
+    Attributes:
+      count: int32, the number of updates done.
+      mu: first moment, float32, like the params (identical on all workers).
+      nu: second moment, float32, like the params (frozen after ``freeze_step``).
+      comm: the error-feedback buffers of the compressed mean.
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+    comm: collective.OnebitMeanState
+
+
+def scale_by_onebit_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    freeze_step: int = 100_000,
+    axis_name: str | None = None,
+    num_workers: int | None = None,
+    mask: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Rescales local gradients by 1-bit Adam's moments (direction only, no learning rate).
+
+    ::
+
+        k <= T:  gbar = mean_i g_i (float all-reduce);  m <- b1 m + (1-b1) gbar
+                 v <- b2 v + (1-b2) gbar^2
+        k > T:   m <- mask * C(b1 m + (1-b1) g_i);  v frozen
+        output:  m / (sqrt(v) + eps)
+
+    No bias correction. Pass each worker's *local* gradient.
+
+    Args:
+      b1, b2, eps: Adam's constants.
+      freeze_step: ``T``, the number of full-precision warm-up steps.
+      axis_name: the worker axis, or ``None`` for one worker.
+      num_workers: needed only if ``init`` runs outside the mapped context.
+      mask: optional pytree of 0/1 like the params; multiplies the compressed momentum.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`OnebitAdamState`.
+
+    References:
+      Tang et al., 1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+      Convergence Speed, ICML 2021, arXiv:2102.02888.
+    """
+    _checks.check_range("b1", b1, 0.0, 1.0, high_open=True)
+    _checks.check_range("b2", b2, 0.0, 1.0, high_open=True)
+    _checks.check_range("eps", eps, 0.0, float("inf"), high_open=True)
+    _checks.check_int("freeze_step", freeze_step, 0)
+    _checks.check_axis_name(axis_name)
+
+    def init_fn(params: optax.Params) -> OnebitAdamState:
+        collective.check_float_leaves(params, "params")
+        _checks.check_mask(mask, params)
+        n = collective.resolve_num_workers(axis_name, num_workers)
+        zeros = _checks.float32_like(params)
+        return OnebitAdamState(
+            jnp.zeros([], jnp.int32), zeros, zeros, collective.init_errors(params, n)
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: OnebitAdamState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, OnebitAdamState]:
+        del params, extra_args
+        _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
+        if num_workers is not None:
+            collective.resolve_num_workers(axis_name, num_workers)
+        collective.axis_size(axis_name)
+        grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
+        warmup = state.count + 1 <= freeze_step
+        mu_local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+
+        def full_precision(g: Any, m: Any, c: Any) -> Any:
+            return collective.float_mean(g, axis_name), c
+
+        def compressed(g: Any, m: Any, c: Any) -> Any:
+            return collective.compressed_mean(m, c, axis_name)
+
+        mean, comm = lax.switch(
+            jnp.where(warmup, 0, 1), (full_precision, compressed), grads, mu_local, state.comm
+        )
+        mu = jax.tree.map(
+            lambda m, x, mx: jnp.where(warmup, b1 * m + (1 - b1) * x, mx),
+            state.mu,
+            mean,
+            _checks.apply_mask(mask, mean),
+        )
+        nu = jax.tree.map(
+            lambda v, x: jnp.where(warmup, b2 * v + (1 - b2) * jnp.square(x), v), state.nu, mean
+        )
+        direction = jax.tree.map(
+            lambda m, v, g: (m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates
+        )
+        return direction, OnebitAdamState(optax.safe_increment(state.count), mu, nu, comm)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def onebit_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    freeze_step: int = 100_000,
+    axis_name: str | None = None,
+    num_workers: int | None = None,
+    mask: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """1-bit Adam (Tang et al., 2021): :func:`scale_by_onebit_adam`, decoupled weight decay and
+    the learning rate, chained as ``optax.adamw`` chains ``scale_by_adam``.
+
+    ``x <- x - lr_k (m / (sqrt(v) + eps) + wd x)``. Pass each worker's **local** gradient.
+
+    Args:
+      learning_rate: a float or an ``optax.Schedule``.
+      b1, b2, eps: Adam's constants (no bias correction).
+      weight_decay: decoupled weight decay, scaled by the learning rate.
+      freeze_step: ``T``, the number of full-precision warm-up steps.
+      axis_name: the worker axis, or ``None`` for one worker.
+      num_workers: needed only if ``init`` runs outside the mapped context.
+      mask: optional pytree of 0/1 like the params; multiplies the compressed momentum.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    Example:
+      >>> tx = onebit_adam(1e-3, freeze_step=1000, axis_name="batch")
+
+    References:
+      Tang et al., 1-bit Adam, ICML 2021, arXiv:2102.02888.
+    """
+    _checks.check_learning_rate(learning_rate)
+    _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
+    return optax.chain(
+        scale_by_onebit_adam(b1, b2, eps, freeze_step, axis_name, num_workers, mask),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )

@@ -1,0 +1,176 @@
+"""When to update the variance and when to synchronise: policies as data plus pure functions.
+
+0/1 Adam has two schedules (``ALGORITHM.md``):
+
+- a *variance policy* decides, for steps ``k <= freeze_step``, which steps are variance steps
+  (full-precision all-reduce, ``v`` updated) and which are compressed steps;
+- a *local-step policy* decides, for steps ``k > freeze_step``, which steps are sync steps
+  (compressed all-reduce of the accumulated update) and which are local steps (no traffic).
+
+A policy is a small immutable object with three pure functions of its state and the step
+number ``k`` (1-based):
+
+- ``init() -> state``: the initial state, a pytree of Python ints (the optimizer stores it as
+  ``int32`` arrays);
+- ``is_update_step(state, k)`` (variance) / ``is_sync_step(state, k)`` (local steps): a boolean;
+- ``next(state, k) -> state``: the state after step ``k`` (called for every step of the phase the
+  policy governs).
+
+They use only arithmetic that works on Python ints *and* traced ``jax.Array``s, so the same
+code runs inside the optimizer's compiled step and in a plain Python loop that lists the
+schedule of a 100k-step run in a fraction of a second (:func:`variance_steps`,
+:func:`sync_steps`). Any object with the same methods can be passed to the
+optimizers instead (e.g. sync intervals tied to the learning-rate schedule, as in the paper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from optax_zero_one import _checks
+
+
+class IntervalState(NamedTuple):
+    """State of the doubling policies: the current interval and a counter towards doubling."""
+
+    interval: Any
+    counter: Any
+
+
+class VariancePolicy(Protocol):
+    """What 0/1 Adam needs of a variance policy."""
+
+    freeze_step: int
+
+    def init(self) -> Any: ...
+
+    def is_update_step(self, state: Any, step: Any) -> Any: ...
+
+    def next(self, state: Any, step: Any) -> Any: ...
+
+
+class LocalStepPolicy(Protocol):
+    """What 0/1 Adam needs of a local-step policy."""
+
+    def init(self) -> Any: ...
+
+    def is_sync_step(self, state: Any, step: Any) -> Any: ...
+
+    def next(self, state: Any, step: Any) -> Any: ...
+
+
+def _minimum(a: Any, b: int) -> Any:
+    """``min(a, b)`` for a Python int or an array ``a`` (no jnp import needed)."""
+    return a - (a > b) * (a - b)
+
+
+@dataclasses.dataclass(frozen=True)
+class VarianceDoubling:
+    """0/1 Adam's variance policy: variance steps at doubling gaps until the freeze.
+
+    Step ``k`` is a variance step if ``k % interval == 0``. Each variance step adds one to a
+    counter; when it reaches ``update_scaler`` the counter resets and the interval doubles. With
+    ``update_scaler = 2``: steps 1, 2, 4, 6, 8, 12, 16, 24, 32, ... After ``freeze_step`` the
+    variance is frozen for good.
+
+    Args:
+      freeze_step: ``F``, the last step of phase A (variance still adapting); ``>= 0``.
+      update_scaler: ``kappa``, variance steps per interval before it doubles; ``>= 1``.
+
+    Example:
+      >>> variance_steps(VarianceDoubling(freeze_step=41, update_scaler=2), num_steps=100)
+      array([ 1,  2,  4,  6,  8, 12, 16, 24, 32])
+
+    References:
+      Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1, the variance-update schedule).
+    """
+
+    freeze_step: int = 100_000
+    update_scaler: int = 16
+
+    def __post_init__(self) -> None:
+        _checks.check_int("var_freeze_step", self.freeze_step, 0)
+        _checks.check_int("var_update_scaler", self.update_scaler, 1)
+
+    def init(self) -> IntervalState:
+        """Interval 1, counter 0."""
+        return IntervalState(1, 0)
+
+    def is_update_step(self, state: IntervalState, step: Any) -> Any:
+        """Whether step ``k`` (``<= freeze_step``) updates the variance."""
+        return step % state.interval == 0
+
+    def next(self, state: IntervalState, step: Any) -> IntervalState:
+        """State after step ``k``: count variance steps, double the interval every ``kappa``."""
+        counter = state.counter + self.is_update_step(state, step)
+        full = counter >= self.update_scaler
+        return IntervalState(state.interval * (1 + full), counter * (1 - full))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalStepDoubling:
+    """0/1 Adam's local-step policy: sync intervals doubling up to a clip.
+
+    In phase B, step ``k`` is a sync step if ``k % interval == 0`` (the absolute step, so after
+    the interval grows the next sync is the next multiple). Every phase-B step adds one to a
+    counter; when it reaches ``scaler`` the counter resets and the interval becomes
+    ``min(clipper, 2 * interval)``.
+
+    Args:
+      scaler: ``alpha`` (``local_step_scaler``), steps per interval before it doubles; ``>= 1``.
+      clipper: ``H`` (``local_step_clipper``), the largest interval; ``>= 1``.
+
+    Example:
+      >>> sync_steps(LocalStepDoubling(scaler=10, clipper=4), freeze_step=41, num_steps=68)[-7:]
+      array([52, 54, 56, 58, 60, 64, 68])
+
+    References:
+      Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1, the local-step schedule).
+    """
+
+    scaler: int = 32_678
+    clipper: int = 16
+
+    def __post_init__(self) -> None:
+        _checks.check_int("local_step_scaler", self.scaler, 1)
+        _checks.check_int("local_step_clipper", self.clipper, 1)
+
+    def init(self) -> IntervalState:
+        """Interval 1, counter 0."""
+        return IntervalState(1, 0)
+
+    def is_sync_step(self, state: IntervalState, step: Any) -> Any:
+        """Whether step ``k`` (in phase B) ends a local interval with a sync."""
+        return step % state.interval == 0
+
+    def next(self, state: IntervalState, step: Any) -> IntervalState:
+        """State after phase-B step ``k``: count it; every ``alpha`` steps double the interval."""
+        del step
+        counter = state.counter + 1
+        full = counter >= self.scaler
+        interval = _minimum(state.interval * (1 + full), self.clipper)
+        return IntervalState(interval, counter * (1 - full))
+
+
+def _fires(policy: Any, predicate: Any, first: int, last: int) -> list[int]:
+    state, steps = policy.init(), []
+    for k in range(first, last + 1):
+        if predicate(state, k):
+            steps.append(k)
+        state = policy.next(state, k)
+    return steps
+
+
+def variance_steps(policy: VariancePolicy, num_steps: int) -> np.ndarray:
+    """Variance steps of any variance policy among ``1..min(num_steps, freeze_step)``."""
+    return np.asarray(
+        _fires(policy, policy.is_update_step, 1, min(num_steps, policy.freeze_step)), dtype=int
+    )
+
+
+def sync_steps(policy: LocalStepPolicy, freeze_step: int, num_steps: int) -> np.ndarray:
+    """Sync steps of any local-step policy among ``freeze_step+1..num_steps``."""
+    return np.asarray(_fires(policy, policy.is_sync_step, freeze_step + 1, num_steps), dtype=int)

@@ -1,0 +1,15 @@
+"""Test configuration: 8 simulated CPU devices, set before JAX initialises its backend.
+
+PJRT_NPROC >= 2x the device count avoids the rendezvous deadlock of simulated devices on a
+2-core machine (see JAX_NOTES.md); loops over simulated devices also block on every step.
+"""
+
+import os
+
+NUM_DEVICES = 8
+os.environ.setdefault("PJRT_NPROC", str(2 * NUM_DEVICES))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", NUM_DEVICES)

@@ -1,0 +1,410 @@
+"""Independent float64 NumPy reference of ``ALGORITHM.md``, used by the tests.
+
+This module is written from the specification alone (it imports nothing from
+``optax_zero_one``), so that the library can be checked against it. It favours being
+literal over being fast: the ``N`` data-parallel workers are simulated explicitly, each with
+its own arrays, and the collectives (float all-reduce, all-to-all, all-gather) are explicit
+Python loops over workers and chunks. Everything is float64.
+
+Conventions:
+
+- A pytree is a plain list of leaves (NumPy arrays of any shape, scalars included).
+- Per-worker quantities are indexed ``[worker][leaf]``.
+- Steps are numbered ``k = 1, 2, ...``; the learning rate of step ``k`` is
+  ``schedule(k - 1)`` (the optax ``count`` before the update).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+LearningRate = float | Callable[[int], float]
+
+
+def padded_size(n: int, num_workers: int) -> int:
+    """Smallest multiple of ``N * lcm(N, 8)`` that is ``>= n`` (``0`` for ``n == 0``)."""
+    if n < 0 or num_workers < 1:
+        raise ValueError(f"bad arguments n={n}, num_workers={num_workers}")
+    unit = num_workers * math.lcm(num_workers, 8)
+    return -(-n // unit) * unit
+
+
+def _sign_plus(a: np.ndarray) -> np.ndarray:
+    """Signs in {+1, -1}, with zero mapped to +1."""
+    return np.where(a >= 0, 1.0, -1.0)
+
+
+def _pack(signs: np.ndarray) -> np.ndarray:
+    """Packs +-1 signs 8 per byte (bit 1 means +1), as they travel on the wire."""
+    assert signs.size % 8 == 0, "every chunk must be a whole number of bytes"
+    return np.packbits(signs > 0)
+
+
+def _unpack(packed: np.ndarray) -> np.ndarray:
+    """Inverse of ``_pack``."""
+    return np.where(np.unpackbits(packed) == 1, 1.0, -1.0)
+
+
+def _rms(a: np.ndarray) -> float:
+    """``||a||_2 / sqrt(len(a))``."""
+    return float(np.linalg.norm(a) / math.sqrt(a.size))
+
+
+class CompressedMean:
+    """The 1-bit compressed mean C with error feedback, for N workers over a list of leaves.
+
+    Attributes:
+        worker_error: ``[worker][leaf]``, shape ``(P_leaf,)``, the worker error ``e_w``.
+        server_error: ``[worker][leaf]``, shape ``(P_leaf // N,)``, worker ``j``'s server
+            error ``e_s`` for chunk ``j``.
+        last_padded_outputs: ``[worker][leaf]``, shape ``(P_leaf,)``, the padded output each
+            worker assembled in the last call (for ``N > 1`` and non-empty leaves; with
+            ``N == 1`` it is the padded input).
+    """
+
+    def __init__(self, shapes: list[tuple[int, ...]], num_workers: int):
+        if num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        self.num_workers = num_workers
+        self.shapes = [tuple(s) for s in shapes]
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.padded = [padded_size(n, num_workers) for n in self.sizes]
+        self.worker_error: list[list[np.ndarray]] = []
+        self.server_error: list[list[np.ndarray]] = []
+        self.last_padded_outputs: list[list[np.ndarray]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Zeros both error buffers (of every worker)."""
+        n_workers = self.num_workers
+        self.worker_error = [[np.zeros(p) for p in self.padded] for _ in range(n_workers)]
+        self.server_error = [
+            [np.zeros(p // n_workers) for p in self.padded] for _ in range(n_workers)
+        ]
+
+    def __call__(self, zs: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """Compressed mean of ``zs[worker][leaf]``; returns one leaf-shaped array per leaf."""
+        n_workers = self.num_workers
+        assert len(zs) == n_workers, "one list of leaves per worker"
+        for z in zs:
+            assert len(z) == len(self.shapes), "one array per leaf"
+
+        # Per worker, per leaf: the padded output that worker ends up with.
+        padded_out: list[list[np.ndarray]] = [[] for _ in range(n_workers)]
+        for leaf, (n, p) in enumerate(zip(self.sizes, self.padded, strict=True)):
+            # Step 1: flatten and pad every worker's input with zeros to length P.
+            z_pad = []
+            for i in range(n_workers):
+                flat = np.asarray(zs[i][leaf], dtype=np.float64).reshape(-1)
+                assert flat.size == n, f"leaf {leaf}: expected {n} elements, got {flat.size}"
+                z_pad.append(np.concatenate([flat, np.zeros(p - n)]))
+
+            if n_workers == 1 or p == 0:
+                # Nothing to communicate (N == 1) or nothing to send (empty leaf).
+                for i in range(n_workers):
+                    padded_out[i].append(z_pad[0].copy() if n_workers == 1 else np.zeros(0))
+                continue
+
+            chunk = p // n_workers
+
+            # Step 2: on every worker, add its error, compress to scale * signs.
+            worker_scales = []
+            worker_packed_chunks = []  # [i][j]: worker i's packed signs of chunk j
+            for i in range(n_workers):
+                a = z_pad[i] + self.worker_error[i][leaf]
+                s = _rms(a)  # RMS over the padded length P
+                b = _sign_plus(a)
+                self.worker_error[i][leaf] = a - s * b
+                worker_scales.append(s)
+                worker_packed_chunks.append(
+                    [_pack(b[j * chunk : (j + 1) * chunk]) for j in range(n_workers)]
+                )
+
+            # Step 3, phase 1: all-to-all. Worker j receives chunk j from every worker i,
+            # and every worker's scale.
+            received = [
+                [worker_packed_chunks[i][j] for i in range(n_workers)] for j in range(n_workers)
+            ]
+            received_scales = [list(worker_scales) for _ in range(n_workers)]
+
+            # Step 4: worker j is the server of chunk j.
+            server_scales = []
+            server_packed = []
+            for j in range(n_workers):
+                total = np.zeros(chunk)
+                for i in range(n_workers):
+                    total += received_scales[j][i] * _unpack(received[j][i])
+                c = total / n_workers
+                c_prime = c + self.server_error[j][leaf]
+                t = _rms(c_prime)  # RMS over the chunk length P / N
+                b_prime = _sign_plus(c_prime)
+                self.server_error[j][leaf] = c_prime - t * b_prime
+                server_scales.append(t)
+                server_packed.append(_pack(b_prime))
+
+            # Step 5, phase 2: all-gather of every server's packed signs and scale; every
+            # worker concatenates t_j * b'_j over j.
+            for r in range(n_workers):
+                gathered = [(server_scales[j], server_packed[j]) for j in range(n_workers)]
+                padded_out[r].append(np.concatenate([t * _unpack(bp) for t, bp in gathered]))
+
+        self.last_padded_outputs = padded_out
+        return [
+            padded_out[0][leaf][:n].reshape(shape)
+            for leaf, (n, shape) in enumerate(zip(self.sizes, self.shapes, strict=True))
+        ]
+
+
+# --------------------------------------------------------------------------------------
+# Schedules (pure functions of the counters).
+
+
+def variance_steps(var_freeze_step: int, var_update_scaler: int, num_steps: int) -> list[int]:
+    """The steps ``k`` in ``1..min(num_steps, F)`` that are variance steps of 0/1 Adam."""
+    var_interval, var_counter = 1, 0
+    steps = []
+    for k in range(1, min(num_steps, var_freeze_step) + 1):
+        if k % var_interval == 0:
+            steps.append(k)
+            var_counter += 1
+            if var_counter == var_update_scaler:
+                var_counter = 0
+                var_interval *= 2
+    return steps
+
+
+def sync_steps(
+    var_freeze_step: int, local_step_scaler: int, local_step_clipper: int, num_steps: int
+) -> list[int]:
+    """The steps ``k`` in ``F+1..num_steps`` that are sync steps of 0/1 Adam."""
+    local_interval, local_counter = 1, 0
+    steps = []
+    for k in range(var_freeze_step + 1, num_steps + 1):
+        if k % local_interval == 0:
+            steps.append(k)
+        local_counter += 1
+        if local_counter == local_step_scaler:
+            local_counter = 0
+            local_interval = min(local_step_clipper, 2 * local_interval)
+    return steps
+
+
+# --------------------------------------------------------------------------------------
+# Optimizers.
+
+
+def _copy_params(params: list[np.ndarray], num_workers: int) -> list[list[np.ndarray]]:
+    return [[np.array(p, dtype=np.float64) for p in params] for _ in range(num_workers)]
+
+
+def _zeros_like_params(params: list[np.ndarray], num_workers: int) -> list[list[np.ndarray]]:
+    return [[np.zeros(np.shape(p)) for p in params] for _ in range(num_workers)]
+
+
+def _as_grads(grads: list[list[np.ndarray]], num_workers: int, num_leaves: int):
+    assert len(grads) == num_workers, "one list of gradient leaves per worker"
+    out = []
+    for g in grads:
+        assert len(g) == num_leaves, "one gradient per leaf"
+        out.append([np.asarray(x, dtype=np.float64) for x in g])
+    return out
+
+
+def _lr(learning_rate: LearningRate, k: int) -> float:
+    """Learning rate of step ``k``: ``schedule(k - 1)``."""
+    return float(learning_rate(k - 1)) if callable(learning_rate) else float(learning_rate)
+
+
+def _float_mean(grads: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Full-precision all-reduce mean over workers, per leaf."""
+    n_workers = len(grads)
+    means = []
+    for leaf in range(len(grads[0])):
+        total = np.zeros_like(grads[0][leaf])
+        for i in range(n_workers):
+            total = total + grads[i][leaf]
+        means.append(total / n_workers)
+    return means
+
+
+def _apply_mask(mask: list[np.ndarray] | None, leaves: list[np.ndarray]) -> list[np.ndarray]:
+    if mask is None:
+        return leaves
+    return [mk * x for mk, x in zip(mask, leaves, strict=True)]
+
+
+class ZeroOneAdam:
+    """0/1 Adam over ``N`` simulated workers (``ALGORITHM.md``, section "0/1 Adam")."""
+
+    def __init__(
+        self,
+        params: list[np.ndarray],
+        num_workers: int,
+        learning_rate: LearningRate,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100_000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32_678,
+        local_step_clipper: int = 16,
+        mask: list[np.ndarray] | None = None,
+    ):
+        self.num_workers = num_workers
+        self.learning_rate = learning_rate
+        self.b1, self.b2, self.eps, self.weight_decay = b1, b2, eps, weight_decay
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        self.mask = None if mask is None else [np.asarray(mk, dtype=np.float64) for mk in mask]
+        self.num_leaves = len(params)
+
+        self.x = _copy_params(params, num_workers)
+        self.m = _zeros_like_params(params, num_workers)
+        self.v = _zeros_like_params(params, num_workers)
+        self.u = _zeros_like_params(params, num_workers)
+        self.lrs = [0.0] * num_workers
+        self.compressor = CompressedMean([np.shape(p) for p in params], num_workers)
+        self.var_interval, self.var_counter = 1, 0
+        self.local_interval, self.local_counter = 1, 0
+        self.step_count = 0
+        self.last_kind = ""
+
+    def _denominator(self, i: int, leaf: int) -> np.ndarray:
+        return np.sqrt(self.v[i][leaf]) + self.eps
+
+    def step(self, grads: list[list[np.ndarray]]) -> None:
+        """One update; ``grads[worker][leaf]`` are the workers' local gradients."""
+        n_workers, n_leaves = self.num_workers, self.num_leaves
+        grads = _as_grads(grads, n_workers, n_leaves)
+        k = self.step_count + 1
+        lr = _lr(self.learning_rate, k)
+        b1, b2, wd = self.b1, self.b2, self.weight_decay
+
+        if k <= self.var_freeze_step:
+            # Phase A: variance still adapting.
+            if k % self.var_interval == 0:
+                gbar = _float_mean(grads)
+                for i in range(n_workers):
+                    for leaf in range(n_leaves):
+                        self.m[i][leaf] = b1 * self.m[i][leaf] + (1 - b1) * gbar[leaf]
+                        self.v[i][leaf] = b2 * self.v[i][leaf] + (1 - b2) * gbar[leaf] ** 2
+                self.var_counter += 1
+                if self.var_counter == self.var_update_scaler:
+                    self.var_counter = 0
+                    self.var_interval *= 2
+                self.last_kind = "variance"
+            else:
+                ghat = _apply_mask(self.mask, self.compressor(grads))
+                for i in range(n_workers):
+                    for leaf in range(n_leaves):
+                        self.m[i][leaf] = b1 * self.m[i][leaf] + (1 - b1) * ghat[leaf]
+                self.last_kind = "compressed"
+            for i in range(n_workers):
+                for leaf in range(n_leaves):
+                    x = self.x[i][leaf]
+                    d = self.m[i][leaf] / self._denominator(i, leaf) + wd * x
+                    self.x[i][leaf] = x - lr * d
+            if k == self.var_freeze_step:
+                # Variance freezes; the error buffers will now hold accumulator errors.
+                self.compressor.reset()
+        else:
+            # Phase B: variance frozen, local steps with no communication.
+            for i in range(n_workers):
+                for leaf in range(n_leaves):
+                    self.m[i][leaf] = b1 * self.m[i][leaf] + (1 - b1) * grads[i][leaf]
+                    x = self.x[i][leaf]
+                    d = self.m[i][leaf] / self._denominator(i, leaf) + wd * x
+                    self.x[i][leaf] = x - lr * d
+                    self.u[i][leaf] = self.u[i][leaf] + lr * d
+                self.lrs[i] += lr
+            if k % self.local_interval == 0:
+                for i in range(n_workers):
+                    for leaf in range(n_leaves):
+                        self.x[i][leaf] = self.x[i][leaf] + self.u[i][leaf]
+                w = [
+                    [self.u[i][leaf] * self._denominator(i, leaf) for leaf in range(n_leaves)]
+                    for i in range(n_workers)
+                ]
+                what = _apply_mask(self.mask, self.compressor(w))
+                for i in range(n_workers):
+                    for leaf in range(n_leaves):
+                        self.m[i][leaf] = what[leaf] / self.lrs[i]
+                        self.x[i][leaf] = self.x[i][leaf] - what[leaf] / self._denominator(i, leaf)
+                        self.u[i][leaf] = np.zeros_like(self.u[i][leaf])
+                    self.lrs[i] = 0.0
+                self.last_kind = "sync"
+            else:
+                self.last_kind = "local"
+            self.local_counter += 1
+            if self.local_counter == self.local_step_scaler:
+                self.local_counter = 0
+                self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
+        self.step_count = k
+
+
+class OnebitAdam:
+    """1-bit Adam over ``N`` simulated workers (``ALGORITHM.md``, section "1-bit Adam")."""
+
+    def __init__(
+        self,
+        params: list[np.ndarray],
+        num_workers: int,
+        learning_rate: LearningRate,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100_000,
+        mask: list[np.ndarray] | None = None,
+    ):
+        self.num_workers = num_workers
+        self.learning_rate = learning_rate
+        self.b1, self.b2, self.eps, self.weight_decay = b1, b2, eps, weight_decay
+        self.freeze_step = freeze_step
+        self.mask = None if mask is None else [np.asarray(mk, dtype=np.float64) for mk in mask]
+        self.num_leaves = len(params)
+
+        self.x = _copy_params(params, num_workers)
+        self.m = _zeros_like_params(params, num_workers)
+        self.v = _zeros_like_params(params, num_workers)
+        self.compressor = CompressedMean([np.shape(p) for p in params], num_workers)
+        self.step_count = 0
+        self.last_kind = ""
+
+    def step(self, grads: list[list[np.ndarray]]) -> None:
+        """One update; ``grads[worker][leaf]`` are the workers' local gradients."""
+        n_workers, n_leaves = self.num_workers, self.num_leaves
+        grads = _as_grads(grads, n_workers, n_leaves)
+        k = self.step_count + 1
+        lr = _lr(self.learning_rate, k)
+        b1, b2, wd = self.b1, self.b2, self.weight_decay
+
+        if k <= self.freeze_step:
+            gbar = _float_mean(grads)
+            for i in range(n_workers):
+                for leaf in range(n_leaves):
+                    self.m[i][leaf] = b1 * self.m[i][leaf] + (1 - b1) * gbar[leaf]
+                    self.v[i][leaf] = b2 * self.v[i][leaf] + (1 - b2) * gbar[leaf] ** 2
+            self.last_kind = "warmup"
+        else:
+            local_m = [
+                [b1 * self.m[i][leaf] + (1 - b1) * grads[i][leaf] for leaf in range(n_leaves)]
+                for i in range(n_workers)
+            ]
+            m_hat = _apply_mask(self.mask, self.compressor(local_m))
+            for i in range(n_workers):
+                for leaf in range(n_leaves):
+                    self.m[i][leaf] = m_hat[leaf].copy()
+            self.last_kind = "compressed"
+        for i in range(n_workers):
+            for leaf in range(n_leaves):
+                x = self.x[i][leaf]
+                d = self.m[i][leaf] / (np.sqrt(self.v[i][leaf]) + self.eps) + wd * x
+                self.x[i][leaf] = x - lr * d
+        self.step_count = k
