@@ -230,7 +230,24 @@ def float_mean(tree: Any, axis_name: str | None) -> Any:
     if axis_name is None:
         return jax.tree.map(lambda x: x.astype(_error_dtype(x.dtype)), tree)
     axis_size(axis_name)  # clear error if unbound
-    return lax.pmean(jax.tree.map(lambda x: x.astype(_error_dtype(x.dtype)), tree), axis_name)
+    wide = jax.tree.map(lambda x: x.astype(_error_dtype(x.dtype)), tree)
+    return jax.tree.map(lambda m, x: _vary_like(m, x, axis_name), lax.pmean(wide, axis_name), wide)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return getattr(manual, "varying", frozenset())
+
+
+def _vary_like(out: jax.Array, like: jax.Array, axis_name: str) -> jax.Array:
+    """Marks ``out`` as varying over ``axis_name`` if ``like`` is (``shard_map``'s type check).
+
+    A ``pmean`` result is typed as replicated; inside a ``lax.switch`` whose other branches
+    return per-worker values it must carry the same type.
+    """
+    if axis_name in _varying_axes(like) and axis_name not in _varying_axes(out):
+        return lax.pcast(out, axis_name, to="varying")
+    return out
 
 
 def onebit_mean(

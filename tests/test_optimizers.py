@@ -1,0 +1,227 @@
+"""zero_one_adam and onebit_adam against the float64 reference, the schedules, the traffic per
+step kind, the three mappings, and the single-worker limit (Adam without bias correction)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import reference
+from workers_util import AXIS, MODES, mapped
+
+import optax_zero_one as ozo
+
+SHAPES = [(6, 5), (5,), (5, 3), (3,)]
+N = 4
+# kappa = 2, F = 20, alpha = 4, H = 4: variance steps 1, 2, 4, 6, 8, 12, 16; syncs 21..24,
+# then every 2nd step to 28, then every 4th: every step kind and a growing interval in 40 steps.
+SCHEDULE = dict(var_freeze_step=20, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
+STEPS = 40
+
+
+def problem(seed=0):
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal(s) for s in SHAPES]
+    targets = [rng.standard_normal(s) for s in SHAPES]
+    curvature = rng.uniform(0.5, 2.0, size=N)  # each worker sees a differently scaled problem
+    noise = rng.standard_normal((STEPS, N, sum(int(np.prod(s)) for s in SHAPES)))
+    return params, targets, curvature, noise
+
+
+def local_grads(xs, targets, curvature, noise_k):
+    """grads[worker][leaf] of worker i's loss 0.5 a_i ||x - t||^2 plus its own noise."""
+    out = []
+    for i in range(N):
+        flat_noise, offset, leaves = noise_k[i], 0, []
+        for x, t in zip(xs[i], targets):
+            size = x.size
+            leaves.append(
+                curvature[i] * (x - t) + 0.3 * flat_noise[offset : offset + size].reshape(x.shape)
+            )
+            offset += size
+        out.append(leaves)
+    return out
+
+
+def to_layout(per_worker, dtype=np.float32):
+    """[worker][leaf] -> list of leaves with a leading worker axis."""
+    return [
+        jnp.asarray(np.stack([w[leaf] for w in per_worker]), dtype) for leaf in range(len(SHAPES))
+    ]
+
+
+def schedule(count):
+    return 0.05 * 0.97**count
+
+
+CASES = {
+    "plain": dict(learning_rate=0.05, weight_decay=0.0, mask=None),
+    "wd+schedule+mask": dict(
+        learning_rate=schedule,
+        weight_decay=0.01,
+        mask=[
+            np.ones((6, 5)),
+            np.zeros((5,)),
+            (np.arange(15).reshape(5, 3) % 2).astype(float),
+            np.ones(3),
+        ],
+    ),
+}
+
+
+def run_against_reference(kind, case, mode="vmap"):
+    params, targets, curvature, noise = problem()
+    lr, wd, mask = case["learning_rate"], case["weight_decay"], case["mask"]
+    if kind == "zero_one":
+        ref = reference.ZeroOneAdam(params, N, lr, weight_decay=wd, mask=mask, **SCHEDULE)
+        tx = ozo.zero_one_adam(lr, weight_decay=wd, axis_name=AXIS, mask=mask, **SCHEDULE)
+    else:
+        ref = reference.OnebitAdam(params, N, lr, weight_decay=wd, freeze_step=15, mask=mask)
+        tx = ozo.onebit_adam(lr, weight_decay=wd, freeze_step=15, axis_name=AXIS, mask=mask)
+
+    def step(x, s, g):
+        u, s = tx.update(g, s, x)
+        return optax.apply_updates(x, u), s
+
+    x = to_layout([params] * N)
+    state = mapped(tx.init, mode, N)(x)
+    run = mapped(step, mode, N)
+    history = []
+    for k in range(STEPS):
+        grads = local_grads(ref.x, targets, curvature, noise[k])
+        ref.step(grads)
+        x, state = run(x, state, to_layout(grads))
+        jax.block_until_ready(x)
+        history.append((ref.last_kind, [np.asarray(leaf) for leaf in x], state, _copy_ref(ref)))
+    return history
+
+
+def _copy_ref(ref):
+    return {
+        name: [[np.array(a) for a in w] for w in getattr(ref, name)] for name in ("x", "m", "v")
+    }
+
+
+def inner_state(state):
+    for s in jax.tree.leaves(
+        state, is_leaf=lambda s: isinstance(s, ozo.ZeroOneAdamState | ozo.OnebitAdamState)
+    ):
+        if isinstance(s, ozo.ZeroOneAdamState | ozo.OnebitAdamState):
+            return s
+    raise AssertionError("no optimizer state found")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", ["zero_one", "onebit"])
+def test_follows_reference_step_by_step(kind, case):
+    history = run_against_reference(kind, CASES[case])
+    kinds = [h[0] for h in history]
+    if kind == "zero_one":
+        assert set(kinds) == {"variance", "compressed", "local", "sync"}
+    else:
+        assert set(kinds) == {"warmup", "compressed"}
+    for k, (_, x, state, ref) in enumerate(history, start=1):
+        s = inner_state(state)
+        for leaf in range(len(SHAPES)):
+            for i in range(N):
+                where = f"step {k} ({kinds[k - 1]}), leaf {leaf}, worker {i}"
+                np.testing.assert_allclose(
+                    x[leaf][i], ref["x"][i][leaf], rtol=2e-4, atol=2e-5, err_msg=where
+                )
+                np.testing.assert_allclose(
+                    np.asarray(s.mu[leaf])[i],
+                    ref["m"][i][leaf],
+                    rtol=2e-4,
+                    atol=2e-5,
+                    err_msg=where,
+                )
+                np.testing.assert_allclose(
+                    np.asarray(s.nu[leaf])[i],
+                    ref["v"][i][leaf],
+                    rtol=2e-4,
+                    atol=1e-8,
+                    err_msg=where,
+                )
+
+
+def test_workers_agree_after_every_sync():
+    history = run_against_reference("zero_one", CASES["wd+schedule+mask"])
+    for kind, x, state, _ in history:
+        s = inner_state(state)
+        if kind in ("variance", "compressed", "sync"):
+            for leaf in range(len(SHAPES)):
+                mu = np.asarray(s.mu[leaf])
+                assert np.array_equal(mu, np.broadcast_to(mu[0], mu.shape)), kind
+                np.testing.assert_allclose(
+                    x[leaf], np.broadcast_to(x[leaf][0], x[leaf].shape), atol=1e-6
+                )
+        if kind == "local":  # local steps really diverge
+            assert any(not np.allclose(x[leaf][0], x[leaf][1]) for leaf in range(len(SHAPES)))
+
+
+@pytest.mark.parametrize("kind", ["zero_one", "onebit"])
+def test_identical_under_shard_map_pmap_vmap(kind):
+    """pmap and shard_map compile the same per-device program: bitwise equal. vmap batches the
+    elementwise maths, where XLA:CPU may contract multiply-adds into FMAs differently, so it
+    agrees to float rounding (the collective itself is bitwise equal in all three, see
+    test_collective.py); counters and step kinds agree exactly."""
+    runs = {mode: run_against_reference(kind, CASES["wd+schedule+mask"], mode) for mode in MODES}
+    for (_, xa, sa, _), (_, xb, sb, _), (_, xc, sc, _) in zip(*runs.values()):
+        for a, b, c in zip(*(jax.tree.leaves(t) for t in ((xa, sa), (xb, sb), (xc, sc)))):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(c), err_msg="pmap/shard_map")
+            if jnp.issubdtype(a.dtype, jnp.integer):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg="vmap")
+            else:
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_exact_schedule_from_the_spec():
+    variance = ozo.VarianceDoubling(freeze_step=41, update_scaler=2)
+    local = ozo.LocalStepDoubling(scaler=10, clipper=4)
+    tx = ozo.scale_by_zero_one_adam(0.1, variance_policy=variance, local_step_policy=local)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    kinds = []
+    for _ in range(68):
+        kinds.append(ozo.STEP_KINDS[int(ozo.step_kind(state, variance, local))])
+        _, state = update({"w": jnp.ones(3)}, state, params)
+    steps = lambda name: [k for k, kind in enumerate(kinds, start=1) if kind == name]
+    assert steps("variance") == [1, 2, 4, 6, 8, 12, 16, 24, 32]
+    assert steps("sync") == list(range(42, 53)) + [54, 56, 58, 60, 64, 68]
+    assert set(steps("compressed")) == set(range(1, 42)) - set(steps("variance"))
+    assert steps("local") == [53, 55, 57, 59, 61, 62, 63, 65, 66, 67]
+    # the policies alone give the same schedule, with no optimizer involved
+    assert list(ozo.variance_steps(variance, 68)) == steps("variance")
+    assert list(ozo.sync_steps(local, 41, 68)) == steps("sync")
+    assert list(ozo.variance_steps(variance, 68)) == reference.variance_steps(41, 2, 68)
+    assert list(ozo.sync_steps(local, 41, 68)) == reference.sync_steps(41, 10, 4, 68)
+
+
+def adam_no_bias_correction(params, grads_seq, lr, wd, b1=0.9, b2=0.999, eps=1e-8):
+    x, m, v = np.array(params, np.float64), 0.0, 0.0
+    for k, g in enumerate(grads_seq):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g**2
+        x = x - lr(k) * (m / (np.sqrt(v) + eps) + wd * x)
+    return x
+
+
+@pytest.mark.parametrize("kind", ["zero_one", "onebit"])
+def test_single_worker_without_compression_is_adam_without_bias_correction(kind):
+    rng = np.random.default_rng(0)
+    grads = rng.standard_normal((30, 7))
+    x0 = rng.standard_normal(7)
+    if kind == "zero_one":
+        tx = ozo.zero_one_adam(
+            schedule, weight_decay=0.1, var_freeze_step=10**6, var_update_scaler=10**6
+        )
+    else:
+        tx = ozo.onebit_adam(schedule, weight_decay=0.1, freeze_step=10**6)
+    x = jnp.asarray(x0, jnp.float32)
+    state = tx.init(x)
+    for g in grads:
+        u, state = tx.update(jnp.asarray(g, jnp.float32), state, x)
+        x = optax.apply_updates(x, u)
+    want = adam_no_bias_correction(x0, grads, schedule, 0.1)
+    np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
