@@ -123,3 +123,20 @@ def as_int32_state(tree: Any) -> Any:
 def where_tree(pred: jax.Array, a: Any, b: Any) -> Any:
     """Leafwise ``jnp.where(pred, a, b)`` for a scalar predicate."""
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def all_static(*values: Any) -> bool:
+    """True if every value is a Python/NumPy bool or int (known at trace time)."""
+    return all(isinstance(v, bool | int | np.bool_ | np.integer) for v in values)
+
+
+def switch(index: Any, branches: Any, *operands: Any) -> Any:
+    """``lax.switch``, or a direct call of one branch when ``index`` is a Python int.
+
+    The direct call is what lets a state pinned to one step compile that step kind alone: XLA
+    does not drop untaken ``conditional`` branches that contain collectives, even when the index
+    is a constant.
+    """
+    if all_static(index):
+        return branches[int(index)](*operands)
+    return jax.lax.switch(index, branches, *operands)

@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optax_zero_one import _checks, collective
 
@@ -103,8 +102,9 @@ def scale_by_onebit_adam(
         def compressed(g: Any, m: Any, c: Any) -> Any:
             return collective.compressed_mean(m, c, axis_name)
 
-        mean, comm = lax.switch(
-            jnp.where(warmup, 0, 1), (full_precision, compressed), grads, mu_local, state.comm
+        index = (0 if warmup else 1) if _checks.all_static(warmup) else jnp.where(warmup, 0, 1)
+        mean, comm = _checks.switch(
+            index, (full_precision, compressed), grads, mu_local, state.comm
         )
         mu = jax.tree.map(
             lambda m, x, mx: jnp.where(warmup, b1 * m + (1 - b1) * x, mx),

@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optax_zero_one import _checks, collective, policies
 
@@ -61,11 +60,18 @@ def step_kind(
     local_step_policy: policies.LocalStepPolicy,
 ) -> jax.Array:
     """The kind (:data:`VARIANCE`, :data:`COMPRESSED`, :data:`LOCAL`, :data:`SYNC`) of the next
-    update, as an int32 computed from the counters in ``state`` (identical on every worker)."""
+    update, computed from the counters in ``state`` (identical on every worker).
+
+    An int32 array in the usual case. If the counters are Python ints (a state "pinned" to one
+    step, e.g. to compile and account for one step kind on its own), the kind is a Python int
+    and the update traces only that kind's branch.
+    """
     k = state.count + 1
     phase_a = k <= variance_policy.freeze_step
     var_step = variance_policy.is_update_step(state.variance_policy, k)
     sync = local_step_policy.is_sync_step(state.local_step_policy, k)
+    if _checks.all_static(phase_a, var_step, sync):
+        return (VARIANCE if var_step else COMPRESSED) if phase_a else (SYNC if sync else LOCAL)
     return jnp.where(
         phase_a, jnp.where(var_step, VARIANCE, COMPRESSED), jnp.where(sync, SYNC, LOCAL)
     ).astype(jnp.int32)
@@ -208,7 +214,8 @@ def scale_by_zero_one_adam(
         def sync(g: Any, u: Any, v: Any, c: Any) -> Any:
             return collective.compressed_mean(sync_payload(u, v, eps), c, axis_name)
 
-        return lax.switch(kind, (variance, compressed, local, sync), grads, accumulator, nu, comm)
+        branches = (variance, compressed, local, sync)
+        return _checks.switch(kind, branches, grads, accumulator, nu, comm)
 
     def update_fn(
         updates: optax.Updates,
@@ -278,7 +285,7 @@ def scale_by_zero_one_adam(
 def _advance(active: jax.Array, policy: Any, state: Any, k: jax.Array) -> Any:
     """``policy.next(state, k)`` where ``active``, else ``state`` (dtypes kept)."""
     advanced = jax.tree.map(
-        lambda new, old: jnp.asarray(new, old.dtype), policy.next(state, k), state
+        lambda new, old: jnp.asarray(new, jnp.result_type(old)), policy.next(state, k), state
     )
     return _checks.where_tree(active, advanced, state)
 
