@@ -34,6 +34,7 @@ Building blocks, and how they compose:
 
 from optax_zero_one.collective import OnebitMeanState, compressed_mean, float_mean, onebit_mean
 from optax_zero_one.comm_stats import Collective, CommStats, comm_stats, parse_hlo
+from optax_zero_one.deepspeed import from_deepspeed_config
 from optax_zero_one.onebit_adam import OnebitAdamState, onebit_adam, scale_by_onebit_adam
 from optax_zero_one.policies import (
     IntervalState,
@@ -73,6 +74,7 @@ __all__ = [
     "comm_stats",
     "compressed_mean",
     "float_mean",
+    "from_deepspeed_config",
     "local_step",
     "onebit_adam",
     "onebit_mean",

@@ -1,0 +1,237 @@
+"""Building our optimizers from the ``optimizer`` section of a DeepSpeed JSON config.
+
+DeepSpeed configures 0/1 Adam and 1-bit Adam with a section like::
+
+    "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 4e-4, "var_freeze_step": 12500}}
+
+:func:`from_deepspeed_config` maps such a section onto :func:`~optax_zero_one.zero_one_adam` or
+:func:`~optax_zero_one.onebit_adam`. Like DeepSpeed, which passes ``params`` to the optimizer's
+constructor as keyword arguments, it rejects keys it does not know. Keys that only steer
+DeepSpeed's PyTorch communication backend are accepted and ignored, and so are keys that
+DeepSpeed's own implementation stores but never reads, when they hold a value that changes
+nothing; a value that would ask for behaviour neither implementation has is rejected.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import optax
+
+from optax_zero_one.onebit_adam import onebit_adam
+from optax_zero_one.zero_one_adam import zero_one_adam
+
+# DeepSpeed matches optimizer types case-insensitively (``type.lower()``).
+_TYPES = {"zerooneadam": "ZeroOneAdam", "onebitadam": "OneBitAdam"}
+
+# Keys of both DeepSpeed optimizers' constructors that map onto our arguments.
+_COMMON = ("lr", "betas", "eps", "weight_decay")
+_OWN = {
+    "ZeroOneAdam": (
+        "var_freeze_step",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+    ),
+    "OneBitAdam": ("freeze_step",),
+}
+
+# Keys accepted with any value and ignored, and why.
+_IGNORED = {
+    "cuda_aware": "it tells DeepSpeed's MPI backend whether MPI can read GPU memory; "
+    "JAX's collectives are compiled by XLA for the platform",
+    "comm_backend_name": "it selects DeepSpeed's PyTorch communication backend (nccl, mpi, "
+    "hccl, compressed); JAX's collectives are compiled by XLA for the platform",
+    "bias_correction": "DeepSpeed stores it but never applies bias correction in these "
+    "optimizers, and neither do we (the frozen variance relies on it)",
+}
+
+# Keys accepted only with the value that changes nothing, and why other values are refused.
+_ONLY_DEFAULT = {
+    "amsgrad": (
+        False,
+        "AMSGrad is not supported by 0/1 Adam or 1-bit Adam (DeepSpeed raises on it too)",
+    ),
+    "eps_inside_sqrt": (
+        False,
+        "DeepSpeed stores it but never reads it: eps is always added outside the square root. "
+        "Remove the key to get DeepSpeed's behaviour",
+    ),
+    "max_grad_norm": (
+        0,
+        "DeepSpeed stores it but never clips with it (its clipping is the top-level "
+        "'gradient_clipping' key). Remove the key to get DeepSpeed's behaviour; to clip, chain "
+        "optax.clip_by_global_norm before the optimizer yourself (it then clips each worker's "
+        "local gradient)",
+    ),
+}
+
+_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def from_deepspeed_config(
+    config: Mapping[str, Any],
+    *,
+    axis_name: str | None = None,
+    num_workers: int | None = None,
+    mask: Any = None,
+    learning_rate: optax.ScalarOrSchedule | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Builds 0/1 Adam or 1-bit Adam from the ``optimizer`` section of a DeepSpeed config.
+
+    Keys of ``config["params"]`` and what they become (DeepSpeed's defaults where absent):
+
+    ======================= =====================================================
+    DeepSpeed key           our argument
+    ======================= =====================================================
+    ``lr`` (1e-3)           ``learning_rate`` (or the ``learning_rate`` override)
+    ``betas`` ([0.9,0.999]) ``b1``, ``b2``
+    ``eps`` (1e-8)          ``eps`` (added outside the square root, as DeepSpeed)
+    ``weight_decay`` (0)    ``weight_decay`` (decoupled, scaled by the learning rate)
+    ``var_freeze_step``     ``var_freeze_step`` (ZeroOneAdam only)
+    ``var_update_scaler``   ``var_update_scaler`` (ZeroOneAdam only)
+    ``local_step_scaler``   ``local_step_scaler`` (ZeroOneAdam only)
+    ``local_step_clipper``  ``local_step_clipper`` (ZeroOneAdam only)
+    ``freeze_step``         ``freeze_step`` (OneBitAdam only)
+    ``cuda_aware``,         ignored: PyTorch communication backend settings
+    ``comm_backend_name``
+    ``bias_correction``     ignored: DeepSpeed applies none whatever its value
+    ``amsgrad``             only ``false`` (AMSGrad is not supported)
+    ``eps_inside_sqrt``     only ``false`` (DeepSpeed ignores ``true``)
+    ``max_grad_norm``       only ``0`` (DeepSpeed ignores other values)
+    ======================= =====================================================
+
+    Any other key raises ``ValueError``, as DeepSpeed's constructors raise ``TypeError``.
+    Behaviour follows ``ALGORITHM.md``, which lists where it deviates from DeepSpeed on
+    purpose (no wasted first step, compressed steps with one worker, exact checkpoints).
+
+    Args:
+      config: the ``optimizer`` section, ``{"type": ..., "params": {...}}``; ``type`` is
+        ``"ZeroOneAdam"`` or ``"OneBitAdam"`` (any case, as in DeepSpeed).
+      axis_name: the worker axis, or ``None`` for one worker.
+      num_workers: needed only if ``init`` runs outside the mapped context.
+      mask: optional pytree of 0/1 like the params (DeepSpeed's ``exp_avg_mask``, which it
+        takes from the parameter groups rather than from the config).
+      learning_rate: replaces ``params["lr"]``, e.g. with an ``optax.Schedule`` equivalent to
+        the config's ``scheduler`` section (which this function does not read).
+
+    Returns:
+      :func:`~optax_zero_one.zero_one_adam` or :func:`~optax_zero_one.onebit_adam`, configured.
+
+    Example:
+      >>> import json
+      >>> ds = json.loads('{"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 4e-4, '
+      ...                 '"weight_decay": 0.01, "var_freeze_step": 12500}}}')
+      >>> tx = from_deepspeed_config(ds["optimizer"], axis_name="batch")
+
+    References:
+      DeepSpeed's ``ZeroOneAdam`` and ``OnebitAdam`` (``deepspeed/runtime/fp16/onebit``);
+      Lu et al., arXiv:2202.06009; Tang et al., arXiv:2102.02888.
+    """
+    kind, params = _parse_section(config)
+    supported = (*_COMMON, *_OWN[kind], *_IGNORED, *_ONLY_DEFAULT)
+    for key in params:
+        if key not in supported:
+            raise ValueError(_unknown_key_message(kind, key, supported))
+    for key, (allowed, why) in _ONLY_DEFAULT.items():
+        if key in params and not _same(params[key], allowed):
+            raise ValueError(f"{kind} param {key}={params[key]!r} is not supported: {why}.")
+    if not isinstance(params.get("bias_correction", False), bool):
+        raise ValueError(f"{kind} param bias_correction must be true or false.")
+
+    lr = params.get("lr", _DEFAULTS["lr"])
+    if learning_rate is None:
+        learning_rate = _number(kind, "lr", lr)
+    b1, b2 = _betas(kind, params.get("betas", _DEFAULTS["betas"]))
+    eps = _number(kind, "eps", params.get("eps", _DEFAULTS["eps"]))
+    weight_decay = _number(
+        kind, "weight_decay", params.get("weight_decay", _DEFAULTS["weight_decay"])
+    )
+    common = dict(
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        axis_name=axis_name,
+        num_workers=num_workers,
+        mask=mask,
+    )
+    own = {key: params[key] for key in _OWN[kind] if key in params}
+    for key, value in own.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{kind} param {key} must be an integer, got {value!r}.")
+    if kind == "ZeroOneAdam":
+        return zero_one_adam(learning_rate, **common, **{k: int(v) for k, v in own.items()})
+    return onebit_adam(learning_rate, **common, **{k: int(v) for k, v in own.items()})
+
+
+def _parse_section(config: Any) -> tuple[str, Mapping[str, Any]]:
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"config must be the optimizer section of a DeepSpeed config (a dict with 'type' "
+            f"and 'params'), got {type(config).__name__}."
+        )
+    if "type" not in config:
+        hint = (
+            " This looks like a whole DeepSpeed config: pass config['optimizer']."
+            if "optimizer" in config
+            else ""
+        )
+        raise ValueError(f"The optimizer section has no 'type'.{hint}")
+    # legacy_fusion steers DeepSpeed's fp16 optimizer wrapper; nothing here depends on it.
+    extra = sorted(set(config) - {"type", "params", "legacy_fusion"})
+    if extra:
+        raise ValueError(
+            f"Unsupported keys in the optimizer section: {extra}. Expected 'type', 'params' "
+            "and optionally 'legacy_fusion' (ignored); keys like 'lr' belong inside 'params'."
+        )
+    name = config["type"]
+    if not isinstance(name, str) or name.lower() not in _TYPES:
+        raise ValueError(
+            f"Optimizer type {name!r} is not one this library implements; supported: "
+            "'ZeroOneAdam' (0/1 Adam) and 'OneBitAdam' (1-bit Adam). For plain Adam/AdamW use "
+            "optax.adamw with a jax.lax.pmean of the gradients."
+        )
+    params = config.get("params", {})
+    if not isinstance(params, Mapping):
+        raise ValueError(f"'params' must be a dict, got {type(params).__name__}.")
+    return _TYPES[name.lower()], params
+
+
+def _unknown_key_message(kind: str, key: str, supported: tuple[str, ...]) -> str:
+    hints = {
+        ("ZeroOneAdam", "freeze_step"): " 0/1 Adam has no freeze_step; its closest analogue "
+        "is var_freeze_step, the last step that updates the variance (usually the end of the "
+        "learning-rate warm-up; 1-bit Adam's freeze_step is usually later).",
+        ("OneBitAdam", "var_freeze_step"): " 1-bit Adam's analogue is freeze_step, the number "
+        "of full-precision warm-up steps.",
+    }
+    return (
+        f"{kind} param {key!r} is not supported.{hints.get((kind, key), '')} Supported keys: "
+        f"{', '.join(sorted(supported))}."
+    )
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    if isinstance(allowed, bool):
+        return value is allowed
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == allowed
+
+
+def _number(kind: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        extra = (
+            " Resolve 'auto' values (filled in by the Hugging Face integration) before calling."
+            if value == "auto"
+            else ""
+        )
+        raise ValueError(f"{kind} param {key} must be a number, got {value!r}.{extra}")
+    return float(value)
+
+
+def _betas(kind: str, value: Any) -> tuple[float, float]:
+    if isinstance(value, str) or not hasattr(value, "__len__") or len(value) != 2:
+        raise ValueError(f"{kind} param betas must be a pair [b1, b2], got {value!r}.")
+    return _number(kind, "betas[0]", value[0]), _number(kind, "betas[1]", value[1])

@@ -1,0 +1,108 @@
+"""synchronized_params: during 0/1 Adam's phase B the workers' parameters drift apart between
+syncs, and ``params + u`` is where they all were at the last sync: identical on every worker to
+float rounding, and equal to the parameters right after that sync."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from workers_util import AXIS, mapped
+
+import optax_zero_one as ozo
+
+N, STEPS = 4, 36
+SHAPES = [(6, 5), (7,)]
+# F = 10; kappa = 2; alpha = 3, H = 4: syncs at 11..13, every 2nd step to 18, then every 4th,
+# so phase B has runs of up to 3 local steps between syncs.
+SCHEDULE = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+VARIANCE, LOCAL = ozo.VarianceDoubling(10, 2), ozo.LocalStepDoubling(3, 4)
+
+
+def run(mode):
+    """Per step: the kind taken, each worker's params, and synchronized_params computed both
+    outside the mapped context (worker layout) and inside it (one worker's tree)."""
+    tx = optax.chain(
+        optax.clip_by_global_norm(10.0),  # nest the state, as users do
+        ozo.zero_one_adam(
+            optax.linear_schedule(0.05, 0.01, STEPS), weight_decay=0.01, axis_name=AXIS, **SCHEDULE
+        ),
+    )
+    rng = np.random.default_rng(0)
+    x0 = [rng.standard_normal(s) for s in SHAPES]
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, N), jnp.float32)  # each worker's own curvature
+    noise = rng.standard_normal((STEPS, N, sum(int(np.prod(s)) for s in SHAPES)))
+
+    def step(x, state, a, flat_noise):
+        leaves, offset = [], 0
+        for leaf in x:
+            size = leaf.size
+            leaves.append(a * leaf + 0.3 * flat_noise[offset : offset + size].reshape(leaf.shape))
+            offset += size
+        updates, state = tx.update(leaves, state, x)
+        x = optax.apply_updates(x, updates)
+        return x, state, ozo.synchronized_params(x, state)
+
+    x = [jnp.asarray(np.repeat(p[None], N, 0), jnp.float32) for p in x0]
+    state = mapped(tx.init, mode, N)(x)
+    step_fn = mapped(step, mode, N)
+    history = []
+    for k in range(STEPS):
+        inner = jax.device_get(state[1])
+        kind = ozo.STEP_KINDS[
+            int(ozo.step_kind(jax.tree.map(lambda a: a[0], inner), VARIANCE, LOCAL))
+        ]
+        x, state, synced_inside = step_fn(x, state, scale, jnp.asarray(noise[k], jnp.float32))
+        jax.block_until_ready(x)
+        synced_outside = ozo.synchronized_params(x, state)
+        history.append((kind, *jax.device_get((x, synced_outside, synced_inside))))
+    return history
+
+
+@pytest.mark.parametrize("mode", ["vmap", "shard_map"])
+def test_synchronized_params_identical_on_all_workers_between_syncs(mode):
+    history = run(mode)
+    kinds = [h[0] for h in history]
+    assert kinds.count("local") >= 8 and kinds.count("sync") >= 8
+    last_synced = None
+    checked = 0
+    for kind, x, outside, inside in history:
+        if kind in ("variance", "compressed", "sync"):
+            last_synced = x  # right after a sync every worker holds the synchronised point
+            for leaf in x:
+                np.testing.assert_allclose(leaf, np.broadcast_to(leaf[0], leaf.shape), atol=1e-6)
+        for a, b in zip(outside, inside):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        if kind != "local":
+            continue
+        checked += 1
+        # the workers really differ between syncs ...
+        assert any(not np.allclose(leaf[0], leaf[i]) for leaf in x for i in range(1, N))
+        for leaf, synced, reference in zip(x, outside, last_synced):
+            # ... but their synchronised parameters agree, and are the last sync's parameters
+            np.testing.assert_allclose(
+                synced, np.broadcast_to(synced[0], synced.shape), rtol=1e-6, atol=1e-6
+            )
+            np.testing.assert_allclose(synced, reference, rtol=1e-5, atol=1e-6)
+            assert synced.dtype == leaf.dtype
+    assert checked == kinds.count("local")
+
+
+def test_synchronized_params_is_the_identity_without_an_accumulator():
+    params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    for tx in (
+        ozo.onebit_adam(0.1, freeze_step=2),
+        optax.adam(0.1),
+        ozo.zero_one_adam(0.1, var_freeze_step=5),
+    ):
+        state = tx.init(params)
+        _, state = tx.update({"w": jnp.ones((2, 3))}, state, params)
+        out = ozo.synchronized_params(params, state)
+        np.testing.assert_array_equal(out["w"], params["w"])
+
+
+def test_synchronized_params_rejects_two_zero_one_states():
+    tx = optax.chain(ozo.zero_one_adam(0.1), ozo.zero_one_adam(0.1))
+    params = {"w": jnp.zeros(3)}
+    with pytest.raises(ValueError, match="more than one ZeroOneAdamState"):
+        ozo.synchronized_params(params, tx.init(params))
