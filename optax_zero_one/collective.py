@@ -9,6 +9,9 @@ number of leaves.
 
 The functional core, :func:`compressed_mean`, takes and returns the error buffers explicitly so
 that the optimizers can call it inside a ``lax.switch`` branch.
+
+A second backend, ``collective="psum"`` (:mod:`optax_zero_one.psum_mean`), does the same job in
+one integer all-reduce of packed sign counts under a shared scale per leaf.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_zero_one import compression
+from optax_zero_one import compression, psum_mean
 
-_COLLECTIVES = ("two_phase",)
+_COLLECTIVES = ("two_phase", "psum")
 
 
 class OnebitMeanState(NamedTuple):
@@ -30,9 +33,9 @@ class OnebitMeanState(NamedTuple):
 
     Attributes:
       worker_error: a tree like the input; each leaf a flat float32 vector of the padded length
-        ``P`` of that leaf (zero-size with one worker).
+        ``P`` of that leaf (``"psum"`` backend: the leaf's own length; zero-size with one worker).
       server_error: a tree like the input; each leaf the float32 error of the chunk this worker
-        serves, of length ``P / N`` (zero-size with one worker).
+        serves, of length ``P / N`` (zero-size with one worker, and with the ``"psum"`` backend).
     """
 
     worker_error: optax.Updates
@@ -100,37 +103,53 @@ def _error_dtype(dtype: jnp.dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def init_errors(tree: Any, num_workers: int) -> OnebitMeanState:
-    """Zero error buffers for ``tree`` and ``num_workers`` workers (zero-size when ``N == 1``)."""
-
-    def worker(leaf: Any) -> jax.Array:
-        p = compression.padded_size(leaf.size, num_workers) if num_workers > 1 else 0
-        return jnp.zeros((p,), _error_dtype(leaf.dtype))
-
-    def server(leaf: Any) -> jax.Array:
-        p = compression.padded_size(leaf.size, num_workers) if num_workers > 1 else 0
-        return jnp.zeros((p // num_workers,), _error_dtype(leaf.dtype))
-
-    return OnebitMeanState(jax.tree.map(worker, tree), jax.tree.map(server, tree))
+def check_collective(collective: str) -> None:
+    """Raises ``ValueError`` unless ``collective`` names a backend of the compressed mean."""
+    if collective not in _COLLECTIVES:
+        raise ValueError(f"collective must be one of {_COLLECTIVES}, got {collective!r}.")
 
 
-def _check_errors(leaves: list[Any], errors: OnebitMeanState, num_workers: int) -> None:
+def _error_sizes(size: int, num_workers: int, collective: str) -> tuple[int, int]:
+    if collective == "psum":
+        return psum_mean.error_sizes(size, num_workers)
+    p = compression.padded_size(size, num_workers) if num_workers > 1 else 0
+    return p, p // num_workers
+
+
+def init_errors(tree: Any, num_workers: int, collective: str = "two_phase") -> OnebitMeanState:
+    """Zero error buffers for ``tree``, ``num_workers`` workers and the ``collective`` backend
+    (zero-size when ``N == 1``)."""
+    check_collective(collective)
+
+    def buffer(leaf: Any, which: int) -> jax.Array:
+        size = _error_sizes(leaf.size, num_workers, collective)[which]
+        return jnp.zeros((size,), _error_dtype(leaf.dtype))
+
+    return OnebitMeanState(
+        jax.tree.map(lambda leaf: buffer(leaf, 0), tree),
+        jax.tree.map(lambda leaf: buffer(leaf, 1), tree),
+    )
+
+
+def _check_errors(
+    leaves: list[Any], errors: OnebitMeanState, num_workers: int, collective: str
+) -> None:
     for leaf, ew, es in zip(
         leaves, jax.tree.leaves(errors.worker_error), jax.tree.leaves(errors.server_error)
     ):
-        p = compression.padded_size(leaf.size, num_workers) if num_workers > 1 else 0
-        if ew.shape != (p,) or es.shape != (p // num_workers,):
+        pw, ps = _error_sizes(leaf.size, num_workers, collective)
+        if ew.shape != (pw,) or es.shape != (ps,):
             raise ValueError(
-                f"The compression state does not fit {num_workers} workers: a leaf of "
-                f"{leaf.size} elements needs error buffers of {p} and {p // num_workers} "
-                f"elements, the state has {ew.shape[0]} and {es.shape[0]}. The state was "
-                "initialised for another number of workers; re-initialise it (or restore a "
-                "checkpoint made with the same worker count)."
+                f"The compression state does not fit {num_workers} workers and "
+                f"collective={collective!r}: a leaf of {leaf.size} elements needs error buffers "
+                f"of {pw} and {ps} elements, the state has {ew.shape[0]} and {es.shape[0]}. The "
+                "state was initialised for another number of workers or another collective; "
+                "re-initialise it (or restore a checkpoint made with the same settings)."
             )
 
 
 def compressed_mean(
-    tree: Any, errors: OnebitMeanState, axis_name: str | None
+    tree: Any, errors: OnebitMeanState, axis_name: str | None, collective: str = "two_phase"
 ) -> tuple[Any, OnebitMeanState]:
     """The 1-bit compressed mean of ``tree`` over ``axis_name`` with error feedback.
 
@@ -141,20 +160,28 @@ def compressed_mean(
       tree: a pytree of floating arrays, this worker's values.
       errors: the error buffers, as made by :func:`init_errors` for this worker count.
       axis_name: the worker axis, or ``None`` for one worker (the identity).
+      collective: the backend, ``"two_phase"`` or ``"psum"`` (see :func:`onebit_mean`).
 
     Returns:
       ``(mean, new_errors)``: the compressed mean, a tree like ``tree`` with its dtypes.
     """
+    check_collective(collective)
     num_workers = axis_size(axis_name)
+    if collective == "psum":
+        psum_mean.check_num_workers(num_workers)
     leaves, treedef = jax.tree.flatten(tree)
     if jax.tree.structure(errors.worker_error) != treedef:
         raise ValueError(
             "The tree passed to the compressed mean does not have the structure of its state: "
             f"got {treedef}, state has {jax.tree.structure(errors.worker_error)}."
         )
-    _check_errors(leaves, errors, num_workers)
+    _check_errors(leaves, errors, num_workers, collective)
     if num_workers == 1:
         return tree, errors
+    if collective == "psum":
+        mean, worker_error = psum_mean.compressed_mean(tree, errors.worker_error, axis_name)
+        mean = jax.tree.map(lambda m, x: _vary_like(m, x, axis_name), mean, tree)
+        return mean, OnebitMeanState(worker_error, errors.server_error)
     n = num_workers
     worker_errors = jax.tree.leaves(errors.worker_error)
     server_errors = jax.tree.leaves(errors.server_error)
@@ -255,7 +282,7 @@ def onebit_mean(
     num_workers: int | None = None,
     collective: str = "two_phase",
 ) -> optax.GradientTransformationExtraArgs:
-    r"""1-bit compressed mean over a named axis, with worker and server error feedback.
+    r"""1-bit compressed mean over a named axis, with error feedback.
 
     Each worker ``i`` pads each leaf to ``P`` (a multiple of ``N * lcm(N, 8)``), adds its error
     and sends signs and one RMS scale per leaf; worker ``j`` averages chunk ``j`` and compresses
@@ -270,6 +297,15 @@ def onebit_mean(
     ``P/8 (N-1)/N`` bytes each, for the whole tree (~2 bits per element, against ~64 for a
     float32 ring all-reduce). With one worker (or ``axis_name=None``) it is the identity.
 
+    With ``collective="psum"`` the same job takes one integer all-reduce: every worker
+    compresses with error feedback as above but all use the shared scale ``S = mean_i s_i``
+    (summed exactly in the same all-reduce), so the psum of the workers' sign bits, packed in
+    ``ceil(log2(N+1))``-bit fields of uint32 words, gives the exact mean ``S (2c - N) / N``
+    (``c``: the number of positive signs) and each worker keeps ``e_i <- a_i - S sign+(a_i)``;
+    no server error. ``sum(outputs) = sum(true means) - mean_i(e_i)``. About ``32 / floor(32 /
+    ceil(log2(N+1)))`` bits per element in one round (4 for ``N = 8``, 8 for ``N >= 64``) and
+    more accurate per call; at most 255 workers. Details in :mod:`optax_zero_one.psum_mean`.
+
     Chained before ``optax.sgd`` it is 1-bit SGD with error feedback.
 
     Args:
@@ -278,7 +314,8 @@ def onebit_mean(
       num_workers: the number of workers, needed only when ``init`` is called outside the
         mapped context (then replicate the state over the workers yourself).
       collective: the collective backend; ``"two_phase"`` (all-to-all then all-gather, the
-        DeepSpeed-compatible scheme).
+        DeepSpeed-compatible scheme, the default) or ``"psum"`` (one integer all-reduce of
+        sign counts under a shared scale, up to 255 workers).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`OnebitMeanState`.
@@ -297,12 +334,11 @@ def onebit_mean(
     """
     if axis_name is not None and not isinstance(axis_name, str):
         raise ValueError(f"axis_name must be a str or None, got {axis_name!r}.")
-    if collective not in _COLLECTIVES:
-        raise ValueError(f"collective must be one of {_COLLECTIVES}, got {collective!r}.")
+    check_collective(collective)
 
     def init_fn(params: optax.Params) -> OnebitMeanState:
         check_float_leaves(params, "onebit_mean input")
-        return init_errors(params, resolve_num_workers(axis_name, num_workers))
+        return init_errors(params, resolve_num_workers(axis_name, num_workers), collective)
 
     def update_fn(
         updates: optax.Updates,
@@ -313,6 +349,6 @@ def onebit_mean(
         del params, extra_args
         if num_workers is not None and axis_name is not None:
             resolve_num_workers(axis_name, num_workers)
-        return compressed_mean(updates, state, axis_name)
+        return compressed_mean(updates, state, axis_name, collective)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

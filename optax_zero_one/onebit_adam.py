@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, collective
+from optax_zero_one import _checks
+from optax_zero_one import collective as collective_lib  # `collective` names the backend
 
 
 class OnebitAdamState(NamedTuple):
@@ -29,7 +30,7 @@ class OnebitAdamState(NamedTuple):
     count: jax.Array
     mu: optax.Updates
     nu: optax.Updates
-    comm: collective.OnebitMeanState
+    comm: collective_lib.OnebitMeanState
 
 
 def scale_by_onebit_adam(
@@ -40,6 +41,7 @@ def scale_by_onebit_adam(
     axis_name: str | None = None,
     num_workers: int | None = None,
     mask: Any = None,
+    collective: str = "two_phase",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Rescales local gradients by 1-bit Adam's moments (direction only, no learning rate).
 
@@ -58,6 +60,8 @@ def scale_by_onebit_adam(
       axis_name: the worker axis, or ``None`` for one worker.
       num_workers: needed only if ``init`` runs outside the mapped context.
       mask: optional pytree of 0/1 like the params; multiplies the compressed momentum.
+      collective: the backend of ``C``: ``"two_phase"`` (DeepSpeed's scheme) or ``"psum"``
+        (one integer all-reduce, up to 255 workers); see :func:`~optax_zero_one.onebit_mean`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`OnebitAdamState`.
@@ -71,14 +75,18 @@ def scale_by_onebit_adam(
     _checks.check_range("eps", eps, 0.0, float("inf"), high_open=True)
     _checks.check_int("freeze_step", freeze_step, 0)
     _checks.check_axis_name(axis_name)
+    collective_lib.check_collective(collective)
 
     def init_fn(params: optax.Params) -> OnebitAdamState:
-        collective.check_float_leaves(params, "params")
+        collective_lib.check_float_leaves(params, "params")
         _checks.check_mask(mask, params)
-        n = collective.resolve_num_workers(axis_name, num_workers)
+        n = collective_lib.resolve_num_workers(axis_name, num_workers)
         zeros = _checks.float32_like(params)
         return OnebitAdamState(
-            jnp.zeros([], jnp.int32), zeros, zeros, collective.init_errors(params, n)
+            jnp.zeros([], jnp.int32),
+            zeros,
+            zeros,
+            collective_lib.init_errors(params, n, collective),
         )
 
     def update_fn(
@@ -90,17 +98,17 @@ def scale_by_onebit_adam(
         del params, extra_args
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
         if num_workers is not None:
-            collective.resolve_num_workers(axis_name, num_workers)
-        collective.axis_size(axis_name)
+            collective_lib.resolve_num_workers(axis_name, num_workers)
+        collective_lib.axis_size(axis_name)
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
         warmup = state.count + 1 <= freeze_step
         mu_local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
 
         def full_precision(g: Any, m: Any, c: Any) -> Any:
-            return collective.float_mean(g, axis_name), c
+            return collective_lib.float_mean(g, axis_name), c
 
         def compressed(g: Any, m: Any, c: Any) -> Any:
-            return collective.compressed_mean(m, c, axis_name)
+            return collective_lib.compressed_mean(m, c, axis_name, collective)
 
         index = (0 if warmup else 1) if _checks.all_static(warmup) else jnp.where(warmup, 0, 1)
         mean, comm = _checks.switch(
@@ -133,6 +141,7 @@ def onebit_adam(
     axis_name: str | None = None,
     num_workers: int | None = None,
     mask: Any = None,
+    collective: str = "two_phase",
 ) -> optax.GradientTransformationExtraArgs:
     """1-bit Adam (Tang et al., 2021): :func:`scale_by_onebit_adam`, decoupled weight decay and
     the learning rate, chained as ``optax.adamw`` chains ``scale_by_adam``.
@@ -147,6 +156,7 @@ def onebit_adam(
       axis_name: the worker axis, or ``None`` for one worker.
       num_workers: needed only if ``init`` runs outside the mapped context.
       mask: optional pytree of 0/1 like the params; multiplies the compressed momentum.
+      collective: ``"two_phase"`` or ``"psum"``, the backend of the compressed mean.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -160,7 +170,9 @@ def onebit_adam(
     _checks.check_learning_rate(learning_rate)
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
     return optax.chain(
-        scale_by_onebit_adam(b1, b2, eps, freeze_step, axis_name, num_workers, mask),
+        scale_by_onebit_adam(
+            b1, b2, eps, freeze_step, axis_name, num_workers, mask, collective=collective
+        ),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )

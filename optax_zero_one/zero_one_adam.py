@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, collective, policies
+from optax_zero_one import _checks, policies
+from optax_zero_one import collective as collective_lib  # `collective` names the backend
 
 VARIANCE, COMPRESSED, LOCAL, SYNC = 0, 1, 2, 3
 STEP_KINDS = ("variance", "compressed", "local", "sync")
@@ -51,7 +52,7 @@ class ZeroOneAdamState(NamedTuple):
     nu: optax.Updates
     accumulator: optax.Updates
     lr_sum: jax.Array
-    comm: collective.OnebitMeanState
+    comm: collective_lib.OnebitMeanState
 
 
 def step_kind(
@@ -133,6 +134,7 @@ def scale_by_zero_one_adam(
     axis_name: str | None = None,
     num_workers: int | None = None,
     mask: Any = None,
+    collective: str = "two_phase",
 ) -> optax.GradientTransformationExtraArgs:
     r"""The 0/1 Adam update, learning rate and weight decay included, with pluggable policies.
 
@@ -161,6 +163,8 @@ def scale_by_zero_one_adam(
       axis_name: the worker axis, or ``None`` for one worker.
       num_workers: needed only if ``init`` runs outside the mapped context.
       mask: optional pytree of 0/1 like the params; multiplies the compressed means.
+      collective: the backend of ``C``: ``"two_phase"`` (DeepSpeed's scheme) or ``"psum"``
+        (one integer all-reduce, up to 255 workers); see :func:`~optax_zero_one.onebit_mean`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`ZeroOneAdamState`;
@@ -176,14 +180,15 @@ def scale_by_zero_one_adam(
     _checks.check_range("eps", eps, 0.0, float("inf"), high_open=True)
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
     _checks.check_axis_name(axis_name)
+    collective_lib.check_collective(collective)
     variance_policy = variance_policy or policies.VarianceDoubling()
     local_step_policy = local_step_policy or policies.LocalStepDoubling()
     freeze = variance_policy.freeze_step
 
     def init_fn(params: optax.Params) -> ZeroOneAdamState:
-        collective.check_float_leaves(params, "params")
+        collective_lib.check_float_leaves(params, "params")
         _checks.check_mask(mask, params)
-        n = collective.resolve_num_workers(axis_name, num_workers)
+        n = collective_lib.resolve_num_workers(axis_name, num_workers)
         zeros = _checks.float32_like(params)
         return ZeroOneAdamState(
             count=jnp.zeros([], jnp.int32),
@@ -193,7 +198,7 @@ def scale_by_zero_one_adam(
             nu=zeros,
             accumulator=zeros,
             lr_sum=jnp.zeros([], jnp.float32),
-            comm=collective.init_errors(params, n),
+            comm=collective_lib.init_errors(params, n, collective),
         )
 
     def communicate(kind: jax.Array, grads: Any, accumulator: Any, nu: Any, comm: Any, k: Any):
@@ -202,17 +207,18 @@ def scale_by_zero_one_adam(
             return _checks.where_tree(k == freeze, jax.tree.map(jnp.zeros_like, c), c)
 
         def variance(g: Any, u: Any, v: Any, c: Any) -> Any:
-            return collective.float_mean(g, axis_name), reset_if_freezing(c)
+            return collective_lib.float_mean(g, axis_name), reset_if_freezing(c)
 
         def compressed(g: Any, u: Any, v: Any, c: Any) -> Any:
-            mean, c = collective.compressed_mean(g, c, axis_name)
+            mean, c = collective_lib.compressed_mean(g, c, axis_name, collective)
             return mean, reset_if_freezing(c)
 
         def local(g: Any, u: Any, v: Any, c: Any) -> Any:
             return g, c
 
         def sync(g: Any, u: Any, v: Any, c: Any) -> Any:
-            return collective.compressed_mean(sync_payload(u, v, eps), c, axis_name)
+            payload = sync_payload(u, v, eps)
+            return collective_lib.compressed_mean(payload, c, axis_name, collective)
 
         branches = (variance, compressed, local, sync)
         return _checks.switch(kind, branches, grads, accumulator, nu, comm)
@@ -228,8 +234,8 @@ def scale_by_zero_one_adam(
         if params is None and not (_checks.is_static_number(weight_decay) and weight_decay == 0):
             raise ValueError("zero_one_adam with weight_decay needs params: update(g, s, params).")
         if num_workers is not None:
-            collective.resolve_num_workers(axis_name, num_workers)
-        collective.axis_size(axis_name)  # clear error if the axis is unbound
+            collective_lib.resolve_num_workers(axis_name, num_workers)
+        collective_lib.axis_size(axis_name)  # clear error if the axis is unbound
         out_dtypes = jax.tree.map(lambda x: x.dtype, params if params is not None else updates)
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
 
@@ -303,6 +309,7 @@ def zero_one_adam(
     axis_name: str | None = None,
     num_workers: int | None = None,
     mask: Any = None,
+    collective: str = "two_phase",
 ) -> optax.GradientTransformationExtraArgs:
     """0/1 Adam (Lu et al., 2023) with DeepSpeed's default schedules.
 
@@ -325,6 +332,7 @@ def zero_one_adam(
       axis_name: the worker axis, or ``None`` for one worker.
       num_workers: needed only if ``init`` runs outside the mapped context.
       mask: optional pytree of 0/1 like the params; multiplies the compressed means.
+      collective: ``"two_phase"`` or ``"psum"``, the backend of the compressed mean.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -349,4 +357,5 @@ def zero_one_adam(
         axis_name=axis_name,
         num_workers=num_workers,
         mask=mask,
+        collective=collective,
     )
