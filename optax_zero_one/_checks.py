@@ -57,7 +57,8 @@ def evaluate(hyperparam: Any, count: jax.Array) -> jax.Array:
 
 
 def check_tree_matches(tree: Any, reference: Any, what: str, reference_what: str) -> None:
-    """Raises ``ValueError`` if ``tree`` and ``reference`` have different structures or shapes."""
+    """Raises ``ValueError`` if ``tree`` and ``reference`` differ in structure or shapes, or if
+    ``tree`` has a non-floating leaf where ``reference`` has a floating one."""
     got, want = jax.tree.structure(tree), jax.tree.structure(reference)
     if got != want:
         raise ValueError(
@@ -73,6 +74,15 @@ def check_tree_matches(tree: Any, reference: Any, what: str, reference_what: str
             raise ValueError(
                 f"{what} leaf {jax.tree_util.keystr(path[0])} has shape {jnp.shape(a)}, but "
                 f"{reference_what} has {jnp.shape(b)} there."
+            )
+        # A complex or integer value would be cast to the float buffers silently (dropping the
+        # imaginary part), so it is refused here rather than optimised wrongly.
+        got_dtype, want_dtype = jnp.result_type(a), jnp.result_type(b)
+        if jnp.issubdtype(want_dtype, jnp.floating) and not jnp.issubdtype(got_dtype, jnp.floating):
+            raise ValueError(
+                f"{what} leaf {jax.tree_util.keystr(path[0])} has dtype {got_dtype}, but "
+                f"{reference_what} holds real floating-point values ({want_dtype}) there; pass "
+                "real floating-point values (float32, bfloat16, float16, float64)."
             )
 
 
@@ -140,3 +150,9 @@ def switch(index: Any, branches: Any, *operands: Any) -> Any:
     if all_static(index):
         return branches[int(index)](*operands)
     return jax.lax.switch(index, branches, *operands)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool: whether every element of every leaf of ``tree`` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
+    return jnp.stack(leaves).all() if leaves else jnp.ones([], bool)

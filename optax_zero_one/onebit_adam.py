@@ -25,12 +25,15 @@ class OnebitAdamState(NamedTuple):
       mu: first moment, float32, like the params (identical on all workers).
       nu: second moment, float32, like the params (frozen after ``freeze_step``).
       comm: the error-feedback buffers of the compressed mean.
+      skipped_updates: int32, steps skipped by every worker together because some worker's
+        gradient was not finite (identical on all workers).
     """
 
     count: jax.Array
     mu: optax.Updates
     nu: optax.Updates
     comm: collective_lib.OnebitMeanState
+    skipped_updates: jax.Array
 
 
 def scale_by_onebit_adam(
@@ -42,17 +45,28 @@ def scale_by_onebit_adam(
     num_workers: int | None = None,
     mask: Any = None,
     collective: str = "two_phase",
+    *,
+    weight_decay: float = 0.0,
+    learning_rate: optax.ScalarOrSchedule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Rescales local gradients by 1-bit Adam's moments (direction only, no learning rate).
+    r"""Rescales local gradients by 1-bit Adam's moments (a direction, or an update with a
+    learning rate).
 
     ::
 
         k <= T:  gbar = mean_i g_i (float all-reduce);  m <- b1 m + (1-b1) gbar
                  v <- b2 v + (1-b2) gbar^2
         k > T:   m <- mask * C(b1 m + (1-b1) g_i);  v frozen
-        output:  m / (sqrt(v) + eps)
+        output:  d = m / (sqrt(v) + eps) + wd x,   or  -lr_k d  if learning_rate is given
 
     No bias correction. Pass each worker's *local* gradient.
+
+    Non-finite gradients: every step communicates, and a NaN or Inf in any worker's gradient
+    makes the communicated mean non-finite on every worker, so all workers skip the step
+    together: the output is zero, the state (moments, error buffers, count) stays as it was
+    and ``skipped_updates`` grows by one. Weight decay and the learning rate live in this block
+    (not chained after it) so that a skipped step moves nothing and a schedule is evaluated at
+    the count of steps actually taken.
 
     Args:
       b1, b2, eps: Adam's constants.
@@ -62,6 +76,8 @@ def scale_by_onebit_adam(
       mask: optional pytree of 0/1 like the params; multiplies the compressed momentum.
       collective: the backend of ``C``: ``"two_phase"`` (DeepSpeed's scheme) or ``"psum"``
         (one integer all-reduce, up to 255 workers); see :func:`~optax_zero_one.onebit_mean`.
+      weight_decay: decoupled weight decay added to the direction (needs ``params``).
+      learning_rate: if given, a float or schedule; the output is then ``-lr_k d``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`OnebitAdamState`.
@@ -74,6 +90,9 @@ def scale_by_onebit_adam(
     _checks.check_range("b2", b2, 0.0, 1.0, high_open=True)
     _checks.check_range("eps", eps, 0.0, float("inf"), high_open=True)
     _checks.check_int("freeze_step", freeze_step, 0)
+    _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
+    if learning_rate is not None:
+        _checks.check_learning_rate(learning_rate)
     _checks.check_axis_name(axis_name)
     collective_lib.check_collective(collective)
 
@@ -87,6 +106,7 @@ def scale_by_onebit_adam(
             zeros,
             zeros,
             collective_lib.init_errors(params, n, collective),
+            jnp.zeros([], jnp.int32),
         )
 
     def update_fn(
@@ -95,8 +115,12 @@ def scale_by_onebit_adam(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, OnebitAdamState]:
-        del params, extra_args
+        del extra_args
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
+        if params is not None:
+            _checks.check_tree_matches(params, state.mu, "params", "the optimizer state")
+        elif not (_checks.is_static_number(weight_decay) and weight_decay == 0):
+            raise ValueError("onebit_adam with weight_decay needs params: update(g, s, params).")
         if num_workers is not None:
             collective_lib.resolve_num_workers(axis_name, num_workers)
         collective_lib.axis_size(axis_name)
@@ -104,14 +128,18 @@ def scale_by_onebit_adam(
         warmup = state.count + 1 <= freeze_step
         mu_local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
 
+        # Each branch returns (mean, comm, finite); a non-finite mean keeps the old buffers.
         def full_precision(g: Any, m: Any, c: Any) -> Any:
-            return collective_lib.float_mean(g, axis_name), c
+            mean = collective_lib.float_mean(g, axis_name)
+            return mean, c, _checks.all_finite(mean)
 
         def compressed(g: Any, m: Any, c: Any) -> Any:
-            return collective_lib.compressed_mean(m, c, axis_name, collective)
+            mean, new = collective_lib.compressed_mean(m, c, axis_name, collective)
+            finite = _checks.all_finite(mean)
+            return mean, _checks.where_tree(finite, new, c), finite
 
         index = (0 if warmup else 1) if _checks.all_static(warmup) else jnp.where(warmup, 0, 1)
-        mean, comm = _checks.switch(
+        mean, comm, finite = _checks.switch(
             index, (full_precision, compressed), grads, mu_local, state.comm
         )
         mu = jax.tree.map(
@@ -123,10 +151,23 @@ def scale_by_onebit_adam(
         nu = jax.tree.map(
             lambda v, x: jnp.where(warmup, b2 * v + (1 - b2) * jnp.square(x), v), state.nu, mean
         )
+        direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+        if params is not None:
+            direction = jax.tree.map(lambda d, x: d + weight_decay * x, direction, params)
+        if learning_rate is not None:
+            lr = _checks.evaluate(learning_rate, state.count)
+            direction = jax.tree.map(lambda d: -lr * d, direction)
+        out_dtypes = jax.tree.map(lambda x: x.dtype, params if params is not None else updates)
         direction = jax.tree.map(
-            lambda m, v, g: (m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates
+            lambda d, t: jnp.where(finite, d, 0).astype(t), direction, out_dtypes
         )
-        return direction, OnebitAdamState(optax.safe_increment(state.count), mu, nu, comm)
+        updated = OnebitAdamState(
+            optax.safe_increment(state.count), mu, nu, comm, state.skipped_updates
+        )
+        new_state = _checks.where_tree(finite, updated, state)._replace(
+            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32)
+        )
+        return direction, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -143,8 +184,8 @@ def onebit_adam(
     mask: Any = None,
     collective: str = "two_phase",
 ) -> optax.GradientTransformationExtraArgs:
-    """1-bit Adam (Tang et al., 2021): :func:`scale_by_onebit_adam`, decoupled weight decay and
-    the learning rate, chained as ``optax.adamw`` chains ``scale_by_adam``.
+    """1-bit Adam (Tang et al., 2021): :func:`scale_by_onebit_adam` with decoupled weight decay
+    and the learning rate.
 
     ``x <- x - lr_k (m / (sqrt(v) + eps) + wd x)``. Pass each worker's **local** gradient.
 
@@ -169,10 +210,15 @@ def onebit_adam(
     """
     _checks.check_learning_rate(learning_rate)
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
-    return optax.chain(
-        scale_by_onebit_adam(
-            b1, b2, eps, freeze_step, axis_name, num_workers, mask, collective=collective
-        ),
-        optax.add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(learning_rate),
+    return scale_by_onebit_adam(
+        b1,
+        b2,
+        eps,
+        freeze_step,
+        axis_name,
+        num_workers,
+        mask,
+        collective,
+        weight_decay=weight_decay,
+        learning_rate=learning_rate,
     )

@@ -43,6 +43,10 @@ class ZeroOneAdamState(NamedTuple):
         last synchronised point), float32, like the params.
       lr_sum: float32, the sum of learning rates since the last sync.
       comm: the error-feedback buffers of the compressed mean.
+      skipped_updates: int32, communicating steps skipped by every worker together because
+        some worker's input was not finite (identical on all workers).
+      dropped_local_grads: int32, local steps at which *this* worker's gradient was not finite
+        and was replaced by zero.
     """
 
     count: jax.Array
@@ -53,6 +57,8 @@ class ZeroOneAdamState(NamedTuple):
     accumulator: optax.Updates
     lr_sum: jax.Array
     comm: collective_lib.OnebitMeanState
+    skipped_updates: jax.Array
+    dropped_local_grads: jax.Array
 
 
 def step_kind(
@@ -152,6 +158,17 @@ def scale_by_zero_one_adam(
     No bias correction. The compression error buffers are reset at the end of step ``F``.
     Pass each worker's *local* gradient: the optimizer does the averaging.
 
+    Non-finite gradients: if any worker's gradient holds a NaN or Inf at a communicating step
+    (variance, compressed or sync), the mean is non-finite on every worker (NaN and Inf survive
+    the float all-reduce and poison the compressed scales), so every worker sees it and skips
+    the update together: params, moments, accumulator, error buffers and counters stay as they
+    were (the step is retried with the next gradient) and ``skipped_updates`` grows by one. No
+    flag travels: the check reads the mean that was communicated anyway. At a local step a
+    worker whose gradient is not finite uses zero instead (its momentum decays, the clock and
+    ``lr_sum`` advance as on the other workers, so the next sync stays consistent) and counts
+    it in ``dropped_local_grads``. A finite gradient so large that its squares overflow float32
+    counts as non-finite.
+
     Args:
       learning_rate: a float or an ``optax.Schedule`` of the update count.
       b1, b2, eps: Adam's constants.
@@ -199,26 +216,37 @@ def scale_by_zero_one_adam(
             accumulator=zeros,
             lr_sum=jnp.zeros([], jnp.float32),
             comm=collective_lib.init_errors(params, n, collective),
+            skipped_updates=jnp.zeros([], jnp.int32),
+            dropped_local_grads=jnp.zeros([], jnp.int32),
         )
 
     def communicate(kind: jax.Array, grads: Any, accumulator: Any, nu: Any, comm: Any, k: Any):
         # Only what differs between kinds goes through the switch.
+        # Each returns (mean, comm, finite); a non-finite mean keeps the old error buffers.
         def reset_if_freezing(c: Any) -> Any:
             return _checks.where_tree(k == freeze, jax.tree.map(jnp.zeros_like, c), c)
 
+        def checked(mean: Any, new: Any, old: Any) -> Any:
+            finite = _checks.all_finite(mean)
+            return mean, _checks.where_tree(finite, new, old), finite
+
         def variance(g: Any, u: Any, v: Any, c: Any) -> Any:
-            return collective_lib.float_mean(g, axis_name), reset_if_freezing(c)
+            return checked(collective_lib.float_mean(g, axis_name), reset_if_freezing(c), c)
 
         def compressed(g: Any, u: Any, v: Any, c: Any) -> Any:
-            mean, c = collective_lib.compressed_mean(g, c, axis_name, collective)
-            return mean, reset_if_freezing(c)
+            mean, new = collective_lib.compressed_mean(g, c, axis_name, collective)
+            return checked(mean, reset_if_freezing(new), c)
 
         def local(g: Any, u: Any, v: Any, c: Any) -> Any:
-            return g, c
+            leaves = jax.tree.leaves(g)
+            finite = jnp.ones([], bool)
+            if leaves and axis_name is not None:  # typed per-worker like the other branches
+                finite = collective_lib.vary_like(finite, leaves[0], axis_name)
+            return g, c, finite
 
         def sync(g: Any, u: Any, v: Any, c: Any) -> Any:
             payload = sync_payload(u, v, eps)
-            return collective_lib.compressed_mean(payload, c, axis_name, collective)
+            return checked(*collective_lib.compressed_mean(payload, c, axis_name, collective), c)
 
         branches = (variance, compressed, local, sync)
         return _checks.switch(kind, branches, grads, accumulator, nu, comm)
@@ -231,7 +259,9 @@ def scale_by_zero_one_adam(
     ) -> tuple[optax.Updates, ZeroOneAdamState]:
         del extra_args
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
-        if params is None and not (_checks.is_static_number(weight_decay) and weight_decay == 0):
+        if params is not None:
+            _checks.check_tree_matches(params, state.mu, "params", "the optimizer state")
+        elif not (_checks.is_static_number(weight_decay) and weight_decay == 0):
             raise ValueError("zero_one_adam with weight_decay needs params: update(g, s, params).")
         if num_workers is not None:
             collective_lib.resolve_num_workers(axis_name, num_workers)
@@ -244,14 +274,17 @@ def scale_by_zero_one_adam(
         kind = step_kind(state, variance_policy, local_step_policy)
         phase_a, var_step, sync = k <= freeze, kind == VARIANCE, kind == SYNC
 
-        # Phase B's local step, computed on every step (elementwise; fused by XLA).
+        # Phase B's local step, computed on every step (elementwise; fused by XLA). A
+        # non-finite gradient at a local step is dropped on its worker (see the docstring).
+        drop = (kind == LOCAL) & ~_checks.all_finite(grads)
+        local_grads = _checks.where_tree(drop, jax.tree.map(jnp.zeros_like, grads), grads)
         mu_local, direction = local_step(
-            state.mu, state.nu, grads, params, lr, b1, eps, weight_decay
+            state.mu, state.nu, local_grads, params, lr, b1, eps, weight_decay
         )
         accumulator = jax.tree.map(lambda u, d: u + lr * d, state.accumulator, direction)
         lr_sum = state.lr_sum + lr
 
-        mean, comm = communicate(kind, grads, accumulator, state.nu, state.comm, k)
+        mean, comm, finite = communicate(kind, grads, accumulator, state.nu, state.comm, k)
         masked = _checks.apply_mask(mask, mean)
 
         # Phase A: Adam moments of the (float or compressed) mean gradient.
@@ -272,7 +305,7 @@ def scale_by_zero_one_adam(
             return _checks.where_tree(phase_a, a, _checks.where_tree(sync, synced, local))
 
         zeros = jax.tree.map(jnp.zeros_like, state.accumulator)
-        new_state = ZeroOneAdamState(
+        updated = ZeroOneAdamState(
             count=optax.safe_increment(state.count),
             variance_policy=_advance(phase_a, variance_policy, state.variance_policy, k),
             local_step_policy=_advance(~phase_a, local_step_policy, state.local_step_policy, k),
@@ -281,8 +314,14 @@ def scale_by_zero_one_adam(
             accumulator=pick(state.accumulator, zeros, accumulator),
             lr_sum=pick(state.lr_sum, jnp.zeros_like(lr_sum), lr_sum),
             comm=comm,
+            skipped_updates=state.skipped_updates,
+            dropped_local_grads=state.dropped_local_grads + drop.astype(jnp.int32),
         )
-        delta = pick(delta_a, delta_sync, delta_local)
+        # A skipped step leaves everything as it was, except the count of skipped steps.
+        new_state = _checks.where_tree(finite, updated, state)._replace(
+            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32)
+        )
+        delta = _checks.where_tree(finite, pick(delta_a, delta_sync, delta_local), zeros)
         return jax.tree.map(lambda d, t: d.astype(t), delta, out_dtypes), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -65,8 +65,8 @@ def zero_one_state(s, f):
     return f(s)
 
 
-def onebit_state(s, f):  # optax.chain state: (scale_by_onebit_adam, decay, lr)
-    return (f(s[0]), *s[1:])
+def onebit_state(s, f):
+    return f(s)
 
 
 ZERO_ONE = ozo.zero_one_adam(
