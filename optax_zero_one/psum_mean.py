@@ -31,21 +31,26 @@ gradient), and it needs nothing from earlier calls (no lag, no state). The scale
 limb per uint32 word. ``M << p`` touches at most two limbs; each worker adds less than ``2^24``
 per word, so ``N <= 255`` workers sum without overflow and the carries are propagated after the
 psum (:func:`decode_scales`). A thirteenth word counts non-finite scales (then ``S`` is NaN, as
-the two-phase backend's output would be). The exact sum is then rounded once into a float32
-(from its top three limbs, relative error below ``2^-22``). Integer addition is associative, so
-``S`` is bitwise the same whichever algorithm, order or process layout performs the all-reduce.
+the two-phase backend's output would be). The exact sum is then read into a float32 from its top
+three limbs and divided by ``N`` (relative error below ``2^-22``). Integer addition is
+associative, so ``S`` is bitwise the same whichever algorithm, order or process layout performs
+the all-reduce (a float ``pmean`` is not, across processes).
 
 **Error feedback.** Summing ``out = mean_i (a_i - e_i')`` over calls ``t = 1..T`` telescopes::
 
     sum_t out_t = sum_t mean_i z_{i,t} - mean_i e_{i,T}            (exactly, in exact arithmetic)
 
-the analogue of the two-phase identity with no server term. Per element, the update is a
-sigma-delta step with step ``S``: ``|e'| = ||a| - S| <= max(S, |e| + |z| - S)``, so an error grows
-only while ``|z| > S``, and ``S >= s_i / N >= |a_i[k]| / (N sqrt(n))`` grows with it: the errors
-stay bounded (tested over thousands of calls with workers of very different magnitudes). The
-price of sharing the scale: a worker whose inputs dwarf the others' is sent at about ``1/N`` of
-its own RMS per call, so its error settles near ``(N - 1)`` times its input (dense inputs) where
-its own scale would keep it near its input; small workers' errors stay below ``S``.
+the analogue of the two-phase identity with no server term. Boundedness (a mechanism, not a
+proof; the two-phase scheme has none either): per element the update is a sigma-delta step of
+size ``S``, ``|e'| = ||a| - S| <= max(S, |e| + |z| - S)``, so an error grows only while
+``|z| > S``, and ``S >= s_i / N >= |a_i[k]| / (N sqrt(n))`` grows with it, so each error
+settles within about ``N sqrt(n)`` times the largest input (tested over thousands of calls,
+workers up to ``10^8`` apart in magnitude). The price of sharing the scale: a worker whose
+inputs dwarf the others' is sent at about ``1/N`` of its own RMS per call, so its error settles
+near ``(N - 1)`` times its input (dense inputs) where its own scale would keep it near its
+input; small workers' errors stay below ``S``. Measured, ``N = 8``, 257 elements, 3,000 calls:
+zero-mean noise, max ``|e|`` 1-3x the largest input for both backends; persistent per-worker
+biases, ~50-60x (two-phase: ~12x).
 
 **Fields and packing.** A count ``0..N`` needs ``w = ceil(log2(N + 1))`` bits
 (:func:`field_width`: 2 bits for ``N = 2, 3``, 4 for ``N = 8..15``, 8 for ``N = 128..255``); a
@@ -66,6 +71,15 @@ two rounds, a float32 all-reduce 64.
 Everything except the psum is elementwise, integer, or a fixed-order sum
 (:func:`optax_zero_one.compression.pairwise_sum`), so results are bitwise identical under
 ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(axis_name=...)``.
+
+Example:
+  >>> tx = optax_zero_one.onebit_mean("w", collective="psum")  # inside shard_map/pmap/vmap
+
+References:
+  Counting signs in an all-reduce is signSGD's majority vote (Bernstein et al.,
+  arXiv:1810.05291), here with error feedback (Karimireddy et al., arXiv:1901.09847) and the
+  workers' mean scale instead of a vote; 1-bit Adam, arXiv:2102.02888; 0/1 Adam,
+  arXiv:2202.06009.
 """
 
 from __future__ import annotations
