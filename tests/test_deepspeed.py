@@ -159,8 +159,13 @@ def test_num_workers_and_axis_name_are_forwarded():
     params = [jnp.zeros(s) for s in SHAPES]
     section = {"type": "OneBitAdam", "params": {"freeze_step": 3}}
     state = ozo.from_deepspeed_config(section, axis_name=AXIS, num_workers=4).init(params)
+    (inner,) = [
+        s
+        for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, ozo.OnebitAdamState))
+        if isinstance(s, ozo.OnebitAdamState)
+    ]
     # error buffers padded for 4 workers: a multiple of 4 * lcm(4, 8) = 32
-    assert [e.shape for e in jax.tree.leaves(state[0].comm.worker_error)] == [(32,), (32,)]
+    assert [e.shape for e in jax.tree.leaves(inner.comm.worker_error)] == [(32,), (32,)]
     with pytest.raises(ValueError, match="outside a context that binds axis_name='w'"):
         ozo.from_deepspeed_config(section, axis_name=AXIS).init(params)
 
