@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import numpy as np
@@ -73,7 +74,8 @@ def test_example_runs_and_reports(outputs, name):
 def load(name):
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with mock.patch.dict(os.environ):  # the scripts set environment defaults when imported
+        spec.loader.exec_module(module)
     return module
 
 
