@@ -30,8 +30,11 @@ Building blocks, and how they compose:
   phase B, for building variants.
 - :func:`comm_stats`: which collectives a compiled program runs and how many bytes it sends.
 - :func:`replicate`, :func:`unreplicate`, :func:`synchronized_params`: the worker layout.
+- :func:`worker_count`, :func:`check_worker_count`, :func:`reset_compression`: checkpoints and
+  worker counts (exact resume needs none of them: save and restore the worker layout).
 """
 
+from optax_zero_one.checkpoint import check_worker_count, reset_compression, worker_count
 from optax_zero_one.collective import OnebitMeanState, compressed_mean, float_mean, onebit_mean
 from optax_zero_one.comm_stats import Collective, CommStats, comm_stats, parse_hlo
 from optax_zero_one.deepspeed import from_deepspeed_config
@@ -71,6 +74,7 @@ __all__ = [
     "VarianceDoubling",
     "VariancePolicy",
     "ZeroOneAdamState",
+    "check_worker_count",
     "comm_stats",
     "compressed_mean",
     "float_mean",
@@ -80,6 +84,7 @@ __all__ = [
     "onebit_mean",
     "parse_hlo",
     "replicate",
+    "reset_compression",
     "scale_by_onebit_adam",
     "scale_by_zero_one_adam",
     "step_kind",
@@ -89,5 +94,6 @@ __all__ = [
     "sync_steps",
     "unreplicate",
     "variance_steps",
+    "worker_count",
     "zero_one_adam",
 ]

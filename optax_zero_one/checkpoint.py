@@ -1,0 +1,202 @@
+"""Checkpoints of the per-worker state: the worker count they were made for, and an opt-in reset.
+
+Exact resume needs nothing from this module. Save the params and the optimizer state *in the
+worker layout* (every worker's copy: error-feedback buffers, 0/1 Adam's accumulator ``u`` and
+``lr_sum``, counters) with any pytree checkpointer, e.g. Orbax, and restore them against a target
+of the same structure (``jax.tree.map(ocp.utils.to_shape_dtype_struct, (params, opt_state))``):
+the continuation is bitwise identical to the uninterrupted run, at any step, including in the
+middle of a local-step interval and across the variance freeze. (DeepSpeed saves rank 0's state
+only and resets the error buffers and the accumulator on every load.)
+
+What cannot be restored exactly is a state saved by ``N`` workers onto ``M != N`` workers: each
+worker's error buffers are sized for ``N`` (padding and server chunks) and hold that worker's
+own residual, and during local steps each worker's params and accumulator differ. So:
+
+- :func:`worker_count` reads the worker count of a tree in the worker layout (live arrays,
+  ``jax.ShapeDtypeStruct``\\ s, or a checkpoint's metadata such as Orbax's ``item_metadata``);
+- :func:`check_worker_count` raises a ``ValueError`` that says so, before anything is restored;
+- :func:`reset_compression` is the explicit opt-in: it moves a restored ``N``-worker state to
+  ``M`` workers with fresh (zero) compression state, continuing from the last synchronised point.
+
+This module does not import Orbax; any checkpointer that stores a pytree of arrays works.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_zero_one import workers
+from optax_zero_one.collective import OnebitMeanState
+from optax_zero_one.zero_one_adam import ZeroOneAdamState
+
+
+def worker_count(tree: Any) -> int:
+    """The number of workers of a tree in the worker layout: the common leading axis size.
+
+    Args:
+      tree: params and/or optimizer state with a leading worker axis on every leaf; the leaves
+        may be arrays or anything with a ``shape`` (``jax.ShapeDtypeStruct``, Orbax's
+        ``ArrayMetadata`` from ``CheckpointManager.item_metadata(step)``).
+
+    Returns:
+      The size of the leading axis, identical on every leaf.
+
+    Raises:
+      ValueError: if the tree holds no arrays, a leaf is a scalar, or leaves disagree.
+
+    Example:
+      >>> worker_count(replicate({"w": jnp.zeros(3)}, 4))
+      4
+    """
+    counts: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+        where = jax.tree_util.keystr(path) or "(root)"
+        if not shape:
+            raise ValueError(
+                f"Leaf {where} is a scalar, so the tree is not in the worker layout (every leaf "
+                "needs a leading worker axis; see optax_zero_one.replicate)."
+            )
+        counts.setdefault(shape[0], where)
+    if not counts:
+        raise ValueError("The tree holds no arrays, so it says nothing about the worker count.")
+    if len(counts) > 1:
+        found = ", ".join(f"{n} at {where}" for n, where in counts.items())
+        raise ValueError(
+            f"The leaves' leading (worker) axes disagree ({found}); the tree is not one state "
+            "in the worker layout."
+        )
+    return next(iter(counts))
+
+
+def check_worker_count(tree: Any, num_workers: int) -> None:
+    """Raises a clear ``ValueError`` unless ``tree`` was made for ``num_workers`` workers.
+
+    Call it on a checkpoint's metadata *before* restoring (a checkpointer would otherwise fail
+    on the first mismatched shape, without saying why), or on a restored state.
+
+    Args:
+      tree: params and/or optimizer state in the worker layout, or their shapes (see
+        :func:`worker_count`). An empty tree passes.
+      num_workers: the number of workers of this run.
+
+    Raises:
+      ValueError: with the saved and current counts, and the two ways forward: restart with the
+        saved count (exact resume), or opt in to :func:`reset_compression`.
+
+    Example:
+      >>> saved = manager.item_metadata(manager.latest_step())   # Orbax, before restoring
+      >>> check_worker_count(saved, num_workers=jax.device_count())
+    """
+    if not jax.tree.leaves(tree):
+        return
+    saved = worker_count(tree)
+    if saved != num_workers:
+        raise ValueError(
+            f"This state was saved by {saved} workers, but this run has {num_workers}. Each "
+            "worker's error-feedback buffers (and 0/1 Adam's local accumulator and params during "
+            "local steps) belong to that worker and are sized for the worker count, so they "
+            f"cannot be split or merged exactly. Resume with {saved} workers for a bitwise-exact "
+            "continuation, or opt in to a fresh compression state: restore the checkpoint for "
+            f"{saved} workers and pass it to optax_zero_one.reset_compression(params, opt_state, "
+            f"fresh_state) with this run's freshly initialised state for {num_workers} workers "
+            "(training continues from the last synchronised point; not bit-identical)."
+        )
+
+
+def reset_compression(
+    params: Any,
+    opt_state: Any,
+    fresh_state: Any,
+    sharding: jax.sharding.Sharding | None = None,
+) -> tuple[Any, Any]:
+    r"""Moves a restored worker-layout state to another worker count, resetting compression.
+
+    The explicit opt-in for restoring onto another number of workers. From the state of ``N``
+    workers (restored for ``N``), each of the ``M`` new workers gets::
+
+        params     <- x_0 + u_0    the last synchronised point (x + u is equal on all workers)
+        u, lr_sum  <- 0            0/1 Adam: the local steps since the last sync are dropped
+        m          <- mean_i m_i   0/1 Adam: equal on all workers, except during local steps
+        e_w, e_s   <- 0            fresh error buffers, shaped as in ``fresh_state``
+        the rest   <- worker 0's   counters, v, other transforms' states: equal on all workers
+                                   (per-worker diagnostics, e.g. dropped_local_grads: worker 0's)
+
+    Counters and schedules carry on where they were. The continuation is not bit-identical to
+    any uninterrupted run: the residuals the old workers had not yet transmitted are dropped (as
+    DeepSpeed does on every load), which costs at most the error of one compression round.
+
+    Args:
+      params: parameters in the worker layout of the saved run (leading axis ``N``).
+      opt_state: the matching optimizer state, restored for ``N`` workers (any nesting, e.g. in
+        ``optax.chain``).
+      fresh_state: this run's optimizer state as ``init`` makes it for ``M`` workers, in the
+        worker layout (the state you would otherwise restore into). It supplies ``M``, the
+        shape of the compression buffers (which depends on the worker count and the collective
+        backend) and the placement of every leaf.
+      sharding: where to put the params (default: where ``fresh_state``'s first leaf is, e.g.
+        ``NamedSharding(mesh, P(axis_name))``).
+
+    Returns:
+      ``(params, opt_state)`` in the worker layout for ``M`` workers.
+
+    Example:
+      >>> old = manager.restore(step, args=ocp.args.StandardRestore(target_for_saved_count))
+      >>> fresh = jax.vmap(tx.init, axis_name="w")(replicate(params, 2))
+      >>> params, opt_state = reset_compression(old["params"], old["opt_state"], fresh)
+
+    References:
+      Lu et al., 0/1 Adam, arXiv:2202.06009; DeepSpeed's load path resets the same buffers.
+    """
+    if jax.tree.structure(opt_state) != jax.tree.structure(fresh_state):
+        raise ValueError(
+            "fresh_state must be a state of the same optimizer as opt_state (same tree "
+            f"structure).\n  opt_state: {jax.tree.structure(opt_state)}\n"
+            f"  fresh_state: {jax.tree.structure(fresh_state)}"
+        )
+    worker_count((params, opt_state))  # the layout must be consistent before we slice it
+    num_workers = worker_count(fresh_state)
+    params0, state0, fresh0 = jax.tree.map(
+        lambda x: np.asarray(x)[0], (params, opt_state, fresh_state)
+    )
+    params0 = workers.synchronized_params(params0, state0)
+
+    def reset(node: Any, full: Any, fresh: Any) -> Any:
+        if isinstance(node, ZeroOneAdamState):
+            return node._replace(
+                mu=jax.tree.map(_worker_mean, full.mu),
+                accumulator=jax.tree.map(np.zeros_like, node.accumulator),
+                lr_sum=np.zeros_like(node.lr_sum),
+                comm=jax.tree.map(np.zeros_like, fresh.comm),
+            )
+        if isinstance(node, OnebitMeanState):
+            return jax.tree.map(np.zeros_like, fresh)
+        return node
+
+    def is_node(x: Any) -> bool:
+        return isinstance(x, ZeroOneAdamState | OnebitMeanState)
+
+    state0 = jax.tree.map(reset, state0, opt_state, fresh0, is_leaf=is_node)
+    placements = [getattr(x, "sharding", None) for x in jax.tree.leaves(fresh_state)]
+    state = jax.tree.unflatten(
+        jax.tree.structure(state0),
+        [
+            _place(np.repeat(x[None], num_workers, axis=0), where)
+            for x, where in zip(jax.tree.leaves(state0), placements)
+        ],
+    )
+    sharding = sharding or next((s for s in placements if s is not None), None)
+    return workers.replicate(params0, num_workers, sharding), state
+
+
+def _place(x: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+    return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
+
+
+def _worker_mean(x: Any) -> np.ndarray:
+    x = np.asarray(x)
+    return x.mean(axis=0, dtype=np.float64).astype(x.dtype)

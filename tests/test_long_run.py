@@ -1,0 +1,52 @@
+"""Long runs (slow; ``make test-slow``): bounded error buffers, flat memory, no drift.
+
+Runs ``benchmarks/long_run.py`` at full length (20,000 compressed-mean calls, 5,000 steps of 0/1
+Adam on 8 simulated workers; about 10 minutes on two cores) and asserts what its figures show.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks/
+from benchmarks import long_run  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _memory_is_flat(samples):
+    # after the first calls (compilation, allocator warm-up): no new live arrays, RSS within
+    # 64 MiB (a leak of one 17k-element buffer per call would add > 1 GiB over 20,000 calls)
+    warm = samples[1]
+    assert all(s["live_arrays"] == warm["live_arrays"] for s in samples[1:]), samples
+    assert samples[-1]["rss_mib"] - warm["rss_mib"] < 64, samples
+
+
+def test_compressed_mean_20k_calls():
+    r = long_run.compressed_mean_run(20_000)
+    # error buffers bounded by the inputs (RMS, every worker, every call)
+    assert r["worker_error_rms_over_input_rms"]["max"] < 10  # seen: 3.8
+    assert r["server_error_rms"]["max"] < 5 * r["input_rms_mean"]
+    # no drift: sum(outputs) - sum(true means) stays the size of the error buffers instead of
+    # growing like a random walk, and is exactly what error feedback says it is
+    first, last = r["drift_rms_first_vs_last_tenth"]
+    assert last < 2 * first + 1e-6
+    assert r["drift_rms"]["max"] < 0.2 * r["random_walk_rms_for_comparison"]
+    assert r["identity_gap_max"] < 1e-2 * r["drift_rms"]["max"]
+    _memory_is_flat(r["memory"])
+
+
+def test_zero_one_adam_5k_steps():
+    r = long_run.zero_one_adam_run(5_000)
+    tenths = r["eval_loss_per_tenth"]
+    # the loss keeps improving, tenth after tenth, and ends far below where it started
+    assert all(b < a for a, b in zip(tenths, tenths[1:])), tenths
+    assert r["eval_loss_final"] < r["eval_loss_initial"] / 10
+    assert r["eval_loss_final"] < 2 * r["adam_eval_loss_final"]
+    # buffers bounded: error feedback within a few gradient RMS; u within a step's worth
+    assert r["worker_error_rms_over_grad_rms_phase_a"]["max"] < 10  # seen: 4.4
+    assert r["accumulator_rms"]["max"] < 1
+    # workers agree after every sync up to float rounding
+    assert r["params_spread_after_sync"]["max"] < 1e-4
+    _memory_is_flat(r["memory"])
