@@ -180,7 +180,7 @@ def compressed_mean(
         return tree, errors
     if collective == "psum":
         mean, worker_error = psum_mean.compressed_mean(tree, errors.worker_error, axis_name)
-        mean = jax.tree.map(lambda m, x: vary_like(m, x, axis_name), mean, tree)
+        mean = jax.tree.map(lambda m, x: vary_like(m, x), mean, tree)
         return mean, OnebitMeanState(worker_error, errors.server_error)
     n = num_workers
     worker_errors = jax.tree.leaves(errors.worker_error)
@@ -258,7 +258,7 @@ def float_mean(tree: Any, axis_name: str | None) -> Any:
         return jax.tree.map(lambda x: x.astype(_error_dtype(x.dtype)), tree)
     axis_size(axis_name)  # clear error if unbound
     wide = jax.tree.map(lambda x: x.astype(_error_dtype(x.dtype)), tree)
-    return jax.tree.map(lambda m, x: vary_like(m, x, axis_name), lax.pmean(wide, axis_name), wide)
+    return jax.tree.map(lambda m, x: vary_like(m, x), lax.pmean(wide, axis_name), wide)
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
@@ -266,15 +266,16 @@ def _varying_axes(x: jax.Array) -> frozenset:
     return getattr(manual, "varying", frozenset())
 
 
-def vary_like(out: jax.Array, like: jax.Array, axis_name: str) -> jax.Array:
-    """Marks ``out`` as varying over ``axis_name`` if ``like`` is (``shard_map``'s type check).
+def vary_like(out: jax.Array, like: jax.Array) -> jax.Array:
+    """Marks ``out`` as varying over every mesh axis ``like`` varies over (``shard_map``'s
+    type check; a no-op under ``vmap`` and ``pmap``).
 
-    A ``pmean`` result is typed as replicated; inside a ``lax.switch`` whose other branches
-    return per-worker values it must carry the same type.
+    A ``pmean`` result is typed as replicated over the reduced axis; inside a ``lax.switch``
+    whose other branches return per-worker values it must carry the same type, including axes
+    of a larger mesh that the optimizer does not reduce over (e.g. a ``"model"`` axis).
     """
-    if axis_name in _varying_axes(like) and axis_name not in _varying_axes(out):
-        return lax.pcast(out, axis_name, to="varying")
-    return out
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(out)))
+    return lax.pcast(out, missing, to="varying") if missing else out
 
 
 def onebit_mean(

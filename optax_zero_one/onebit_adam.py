@@ -100,11 +100,10 @@ def scale_by_onebit_adam(
         collective_lib.check_float_leaves(params, "params")
         _checks.check_mask(mask, params)
         n = collective_lib.resolve_num_workers(axis_name, num_workers)
-        zeros = _checks.float32_like(params)
-        return OnebitAdamState(
+        return OnebitAdamState(  # separate buffers, so that the state can be donated
             jnp.zeros([], jnp.int32),
-            zeros,
-            zeros,
+            _checks.float32_like(params),
+            _checks.float32_like(params),
             collective_lib.init_errors(params, n, collective),
             jnp.zeros([], jnp.int32),
         )

@@ -206,14 +206,14 @@ def scale_by_zero_one_adam(
         collective_lib.check_float_leaves(params, "params")
         _checks.check_mask(mask, params)
         n = collective_lib.resolve_num_workers(axis_name, num_workers)
-        zeros = _checks.float32_like(params)
+        # Separate buffers (not one zeros tree three times), so the state can be donated.
         return ZeroOneAdamState(
             count=jnp.zeros([], jnp.int32),
             variance_policy=_checks.as_int32_state(variance_policy.init()),
             local_step_policy=_checks.as_int32_state(local_step_policy.init()),
-            mu=zeros,
-            nu=zeros,
-            accumulator=zeros,
+            mu=_checks.float32_like(params),
+            nu=_checks.float32_like(params),
+            accumulator=_checks.float32_like(params),
             lr_sum=jnp.zeros([], jnp.float32),
             comm=collective_lib.init_errors(params, n, collective),
             skipped_updates=jnp.zeros([], jnp.int32),
@@ -240,8 +240,8 @@ def scale_by_zero_one_adam(
         def local(g: Any, u: Any, v: Any, c: Any) -> Any:
             leaves = jax.tree.leaves(g)
             finite = jnp.ones([], bool)
-            if leaves and axis_name is not None:  # typed per-worker like the other branches
-                finite = collective_lib.vary_like(finite, leaves[0], axis_name)
+            if leaves:  # typed per-worker like the other branches' flags
+                finite = collective_lib.vary_like(finite, leaves[0])
             return g, c, finite
 
         def sync(g: Any, u: Any, v: Any, c: Any) -> Any:

@@ -225,3 +225,57 @@ def test_single_worker_without_compression_is_adam_without_bias_correction(kind)
         x = optax.apply_updates(x, u)
     want = adam_no_bias_correction(x0, grads, schedule, 0.1)
     np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["zero_one", "onebit"])
+def test_two_dimensional_mesh_reducing_over_one_axis(kind):
+    """Data-parallel over "data" on a ("data", "model") mesh, params split over "model" too:
+    every step kind traces (the branches' types agree over both mesh axes) and stays finite."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if kind == "zero_one":
+        tx = ozo.zero_one_adam(0.05, axis_name="data", **SCHEDULE)
+    else:
+        tx = ozo.onebit_adam(0.05, freeze_step=5, axis_name="data")
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    spec = P("data", "model")
+
+    def body(x, s, g):
+        x, s, g = jax.tree.map(lambda a: a[0], (x, s, g))
+        u, s = tx.update(g, s, x)
+        return jax.tree.map(lambda a: a[None], (optax.apply_updates(x, u), s))
+
+    def init(x):
+        return jax.tree.map(lambda a: a[None], tx.init(x[0]))
+
+    sharding = NamedSharding(mesh, spec)
+    x = jax.device_put(jnp.ones((2, 16)), sharding)
+    abstract = jax.eval_shape(
+        jax.vmap(tx.init, axis_name="data"), jax.ShapeDtypeStruct((2, 8), jnp.float32)
+    )
+    # buffers: worker axis over "data", values over "model"; counters: one per device
+    state_spec = jax.tree.map(lambda a: spec if a.ndim >= 2 else P(("data", "model")), abstract)
+    state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=spec, out_specs=state_spec))(x)
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(spec, state_spec, spec), out_specs=(spec, state_spec)
+        )
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        g = jax.device_put(jnp.asarray(rng.standard_normal((2, 16)), jnp.float32), sharding)
+        x, state = step(x, state, g)
+        jax.block_until_ready(x)
+    assert np.all(np.isfinite(np.asarray(x)))
+
+
+def test_state_can_be_donated():
+    """init returns distinct buffers, so a jitted step may donate the whole state."""
+    for tx in (ozo.zero_one_adam(1e-3), ozo.onebit_adam(1e-3)):
+        params = {"w": jnp.ones(8)}
+        state = tx.init(params)
+        step = jax.jit(lambda p, s, g, tx=tx: tx.update(g, s, p), donate_argnums=(1,))
+        for _ in range(3):
+            _, state = step(params, state, {"w": jnp.ones(8)})
+        jax.block_until_ready(state)
