@@ -156,3 +156,13 @@ def all_finite(tree: Any) -> jax.Array:
     """A scalar bool: whether every element of every leaf of ``tree`` is finite."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
     return jnp.stack(leaves).all() if leaves else jnp.ones([], bool)
+
+
+def check_state_type(state: Any, expected: type, optimizer: str) -> None:
+    """Raises ``ValueError`` if ``update`` is given another transformation's state."""
+    if not isinstance(state, expected):
+        raise ValueError(
+            f"{optimizer}'s update needs a {expected.__name__} (made by its own init), got "
+            f"{type(state).__name__}. Was the state made by another optimizer, or taken from "
+            "the wrong position of an optax.chain state?"
+        )

@@ -58,7 +58,9 @@ def axis_size(axis_name: str | None) -> int:
 
 def resolve_num_workers(axis_name: str | None, num_workers: int | None) -> int:
     """The worker count at ``init``: the bound axis size, else ``num_workers``."""
-    if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+    if num_workers is not None and (
+        isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
+    ):
         raise ValueError(f"num_workers must be a positive int or None, got {num_workers!r}.")
     if axis_name is None:
         if num_workers not in (None, 1):
@@ -176,6 +178,7 @@ def compressed_mean(
             f"got {treedef}, state has {jax.tree.structure(errors.worker_error)}."
         )
     _check_errors(leaves, errors, num_workers, collective)
+    check_float_leaves(tree, "the compressed mean's input")  # a complex part would be dropped
     if num_workers == 1:
         return tree, errors
     if collective == "psum":

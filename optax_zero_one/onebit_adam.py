@@ -115,6 +115,7 @@ def scale_by_onebit_adam(
         **extra_args: Any,
     ) -> tuple[optax.Updates, OnebitAdamState]:
         del extra_args
+        _checks.check_state_type(state, OnebitAdamState, "onebit_adam")
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
         if params is not None:
             _checks.check_tree_matches(params, state.mu, "params", "the optimizer state")

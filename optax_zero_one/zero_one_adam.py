@@ -258,6 +258,7 @@ def scale_by_zero_one_adam(
         **extra_args: Any,
     ) -> tuple[optax.Updates, ZeroOneAdamState]:
         del extra_args
+        _checks.check_state_type(state, ZeroOneAdamState, "zero_one_adam")
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
         if params is not None:
             _checks.check_tree_matches(params, state.mu, "params", "the optimizer state")

@@ -109,13 +109,6 @@ def test_non_float_gradients_at_update(name, dtype):
         update_once(ADAMS[name](), grads)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compressed_mean casts its input to the float32 error buffers without a check: the "
-    "imaginary part of a complex input is dropped silently. Fix: call "
-    "check_float_leaves(tree, 'the compressed mean input') at the top of "
-    "collective.compressed_mean.",
-)
 def test_onebit_mean_complex_input_at_update():
     grads = {"a": jnp.ones((3, 2), jnp.complex64), "b": jnp.ones((5,))}
     with pytest.raises(ValueError, match="complex64"):
@@ -136,13 +129,6 @@ def test_params_of_wrong_shape_at_update(name):
         update_once(ADAMS[name](weight_decay=0.1), PARAMS, update_params=wrong)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zero_one_adam's update reads state.mu from whatever it is given: another "
-    "optimizer's state fails with AttributeError: 'tuple' object has no attribute 'mu'. Fix: "
-    "`if not isinstance(state, ZeroOneAdamState): raise ValueError(...)` at the top of "
-    "update_fn, naming the type received.",
-)
 def test_state_of_another_optimizer_at_update():
     def fn(p):
         return zero_one().update(p, onebit().init(p), p)
@@ -246,11 +232,6 @@ def test_num_workers_not_a_positive_int(num_workers):
         zero_one(num_workers=num_workers).init(PARAMS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="collective.resolve_num_workers accepts num_workers=True (a bool is an int) as one "
-    "worker. Fix: `isinstance(num_workers, bool) or not isinstance(num_workers, int)` there.",
-)
 def test_num_workers_true():
     with pytest.raises(ValueError, match="num_workers must be a positive int"):
         zero_one(num_workers=True).init(PARAMS)
