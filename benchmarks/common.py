@@ -1,0 +1,274 @@
+"""Shared plumbing for the benchmarks: simulated CPU devices, a data-parallel training step under
+``jax.shard_map``, and the bytes each step kind communicates.
+
+Simulated devices on a small CPU machine need two things (``JAX_NOTES.md``): ``PJRT_NPROC`` at
+least twice the device count, set before JAX first uses its backend, and a loop that waits for
+every step (:func:`run_step` does). A benchmark module sets the environment variables at its very
+top, before anything imports JAX, and calls :func:`use_simulated_cpu_devices` in ``main``::
+
+    import os
+    os.environ.setdefault("PJRT_NPROC", "16")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+Communication is measured, not estimated: for every step kind an optimizer can take, the whole
+training step is compiled with the optimizer's counters pinned (as Python ints) to a step of that
+kind, so only that kind's branch is traced, and :func:`optax_zero_one.parse_hlo` reads the
+collectives out of the optimised HLO. Bytes per worker of a run = sum over steps of the bytes of
+the kind each step took, the kinds being read from the run itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_zero_one as ozo
+
+AXIS = "w"
+
+
+def use_simulated_cpu_devices(num_devices: int) -> None:
+    """Asks for ``num_devices`` simulated CPU devices; call before JAX first uses its backend.
+
+    Sets ``PJRT_NPROC`` (the deadlock guard) and ``JAX_PLATFORMS`` if unset, then
+    ``jax_num_cpu_devices``. Raises if the backend already started with fewer devices.
+    """
+    os.environ.setdefault("PJRT_NPROC", str(2 * num_devices))
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    with contextlib.suppress(RuntimeError):  # backend already up (e.g. under pytest): see below
+        jax.config.update("jax_num_cpu_devices", num_devices)
+    if jax.device_count() < num_devices:
+        raise RuntimeError(
+            f"need {num_devices} devices, JAX has {jax.device_count()}: set up the simulated "
+            "devices before anything uses JAX (see benchmarks/common.py)."
+        )
+
+
+def worker_mesh(num_workers: int) -> jax.sharding.Mesh:
+    """A 1-D mesh of ``num_workers`` devices on axis :data:`AXIS` (Auto axis type)."""
+    return jax.make_mesh(
+        (num_workers,),
+        (AXIS,),
+        devices=jax.devices()[:num_workers],
+        axis_types=(jax.sharding.AxisType.Auto,),
+    )
+
+
+def to_workers(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Places a tree whose leaves have a leading worker axis, one block per device."""
+    return jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
+
+
+def per_worker(fn: Callable[..., Any], mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+    """``fn`` (one worker's view) lifted to the worker layout with ``shard_map``.
+
+    Every argument and result has a leading worker axis sharded over the mesh; each device sees
+    a block of size 1, which is dropped before ``fn`` runs and restored after.
+    """
+
+    def body(*args: Any) -> Any:
+        out = fn(*jax.tree.map(lambda x: x[0], args))
+        return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer as the benchmarks run it.
+
+    Attributes:
+      name: label in tables and plots.
+      tx: the transform; its ``update`` gets ``(grads, state, params)`` on each worker.
+      average_grads: ``True`` for plain data-parallel optimizers: gradients are averaged with a
+        float32 ``pmean`` before ``tx`` (what users run today). ``False`` for optimizers that do
+        their own communication and take local gradients.
+      kind_names: names of the step kinds, indexed by what ``kind`` returns.
+      kind: ``state -> int`` (traced): the kind of the next step, from the state's counters.
+      pin: ``(state, k) -> state`` with the counters replaced by Python ints as they are before
+        step ``k`` (1-based), so the update traces only that step's kind; ``None`` if the
+        optimizer has one step kind.
+    """
+
+    name: str
+    tx: optax.GradientTransformation
+    average_grads: bool
+    kind_names: tuple[str, ...] = ("all-reduce",)
+    kind: Callable[[Any], Any] = lambda state: 0
+    pin: Callable[[Any, int], Any] | None = None
+
+
+def _replace_state(state: Any, cls: type, fn: Callable[[Any], Any]) -> Any:
+    """Applies ``fn`` to every ``cls`` node of an optimizer state tree (e.g. inside a chain)."""
+    return jax.tree.map(
+        lambda s: fn(s) if isinstance(s, cls) else s, state, is_leaf=lambda s: isinstance(s, cls)
+    )
+
+
+def _find_state(state: Any, cls: type) -> Any:
+    found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, cls))]
+    found = [s for s in found if isinstance(s, cls)]
+    if len(found) != 1:
+        raise ValueError(f"expected one {cls.__name__} in the optimizer state, found {len(found)}")
+    return found[0]
+
+
+def zero_one_spec(
+    name: str,
+    tx: optax.GradientTransformation,
+    variance_policy: ozo.VariancePolicy,
+    local_step_policy: ozo.LocalStepPolicy,
+) -> OptimizerSpec:
+    """Step kinds and pinning for a transform holding one :class:`~optax_zero_one.ZeroOneAdamState`
+    driven by the given policies."""
+
+    def kind(state: Any) -> Any:
+        return ozo.step_kind(_find_state(state, ozo.ZeroOneAdamState), variance_policy,
+                             local_step_policy)  # fmt: skip
+
+    def pin(state: Any, k: int) -> Any:
+        vs, ls = variance_policy.init(), local_step_policy.init()
+        for step in range(1, k):
+            if step <= variance_policy.freeze_step:
+                vs = variance_policy.next(vs, step)
+            else:
+                ls = local_step_policy.next(ls, step)
+        vs, ls = (jax.tree.map(int, s) for s in (vs, ls))
+        return _replace_state(
+            state,
+            ozo.ZeroOneAdamState,
+            lambda s: s._replace(count=k - 1, variance_policy=vs, local_step_policy=ls),
+        )
+
+    return OptimizerSpec(name, tx, False, ozo.STEP_KINDS, kind, pin)
+
+
+def onebit_spec(name: str, tx: optax.GradientTransformation, freeze_step: int) -> OptimizerSpec:
+    """Step kinds (``warmup``, ``compressed``) and pinning for a transform holding one
+    :class:`~optax_zero_one.OnebitAdamState` with warm-up length ``freeze_step``."""
+
+    def kind(state: Any) -> Any:
+        count = _find_state(state, ozo.OnebitAdamState).count
+        return jnp.asarray(count + 1 > freeze_step).astype(jnp.int32)
+
+    def pin(state: Any, k: int) -> Any:
+        return _replace_state(state, ozo.OnebitAdamState, lambda s: s._replace(count=k - 1))
+
+    return OptimizerSpec(name, tx, False, ("warmup", "compressed"), kind, pin)
+
+
+def make_step(
+    spec: OptimizerSpec,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    mesh: jax.sharding.Mesh,
+    pinned_step: int | None = None,
+) -> Callable[..., Any]:
+    """The data-parallel training step, ``(params, state, batch) -> (params, state, loss, kind)``.
+
+    All arguments and results are in the worker layout (leading worker axis over ``mesh``).
+    ``loss`` is each worker's loss on its own batch, ``kind`` the kind of the step just taken.
+    With ``pinned_step=k`` the optimizer's counters are pinned to step ``k`` (for measuring that
+    kind's traffic; not for training). Not jitted: wrap it in ``jax.jit`` (and donate).
+    """
+
+    def step(params: Any, state: Any, batch: Any) -> Any:
+        if pinned_step is not None and spec.pin is not None:
+            state = spec.pin(state, pinned_step)
+        kind = jnp.asarray(spec.kind(state), jnp.int32)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if spec.average_grads:
+            grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), AXIS)
+        updates, state = spec.tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss, kind
+
+    return per_worker(step, mesh)
+
+
+def run_step(step: Callable[..., Any], *args: Any) -> Any:
+    """Calls a compiled multi-device step and waits for it (the simulated-device deadlock)."""
+    return jax.block_until_ready(step(*args))
+
+
+@dataclasses.dataclass(frozen=True)
+class KindTraffic:
+    """What one step kind communicates, per worker and per step."""
+
+    name: str
+    sent_bytes: float
+    launches: int
+    collectives: tuple[str, ...]
+
+
+def traffic_per_kind(
+    spec: OptimizerSpec,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    mesh: jax.sharding.Mesh,
+    first_steps: dict[int, int],
+    args: Sequence[Any],
+    compiled: Any = None,
+) -> dict[int, KindTraffic]:
+    """What each step kind sends: the training step compiled once per kind, with the counters
+    pinned to the first step ``k`` of that kind, read with :func:`optax_zero_one.parse_hlo`.
+
+    The accounting programs are compiled with XLA's backend (LLVM) optimisation off: they are
+    never run, and the collectives are fixed by the HLO passes, which run as usual (checked: the
+    same collectives and bytes either way). An optimizer with a single step kind needs no pinned
+    program: pass the training step's ``compiled`` executable and its own HLO is read.
+
+    Args:
+      spec, loss_fn, mesh: as for :func:`make_step`.
+      first_steps: ``{kind: k}``, a step of each kind to account for.
+      args: example ``(params, state, batch)`` in the worker layout (only shapes are used).
+      compiled: optionally, the compiled training step (used when ``spec.pin`` is ``None``).
+
+    Returns:
+      ``{kind: KindTraffic}``. Raises if a program holds a collective inside a branch or a
+      loop, whose bytes could not be attributed to one step.
+    """
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args
+    )
+    out = {}
+    for kind, k in sorted(first_steps.items()):
+        if spec.pin is None and compiled is not None:
+            text = compiled.as_text()
+        else:
+            lowered = jax.jit(make_step(spec, loss_fn, mesh, pinned_step=k)).lower(*shapes)
+            text = lowered.compile({"xla_backend_optimization_level": 0}).as_text()
+        stats = ozo.parse_hlo(text)
+        for c in stats.collectives:
+            if c.conditional or c.executions != 1:
+                raise RuntimeError(
+                    f"{spec.name}, step kind {spec.kind_names[kind]}: a collective in a branch "
+                    f"or loop, cannot attribute its bytes:\n{stats.table()}"
+                )
+        out[kind] = KindTraffic(
+            spec.kind_names[kind],
+            stats.sent_bytes_per_device,
+            stats.launches,
+            tuple(f"{c.kind}[{','.join(c.dtypes)}]" for c in stats.collectives),
+        )
+    return out
+
+
+def first_step_of_each_kind(kinds: Sequence[int]) -> dict[int, int]:
+    """``{kind: first 1-based step of that kind}`` of a run's sequence of step kinds."""
+    first: dict[int, int] = {}
+    for k, kind in enumerate(kinds, start=1):
+        first.setdefault(int(kind), k)
+    return first
+
+
+def bytes_per_step(kinds: Sequence[int], traffic: dict[int, KindTraffic]) -> np.ndarray:
+    """Bytes each worker sent at each step of a run (float64, one entry per step)."""
+    return np.asarray([traffic[int(kind)].sent_bytes for kind in kinds], dtype=np.float64)
