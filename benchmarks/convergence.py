@@ -16,10 +16,11 @@ The papers' policies, scaled to the run length ``T``. DeepSpeed's BERT pre-train
 ``var_update_scaler kappa = 16``, ``local_step_scaler alpha = 32,678`` (about 22% of the run)
 and ``local_step_clipper H = 16``. The durations scale with the run: ``F = 0.15 T`` (the freeze
 of both optimizers) and ``alpha = 0.22 T``; the counts stay: ``kappa = 16`` variance updates
-per interval, sync gaps up to ``H = 16``. (``kappa`` scaled like a duration would be 1; with
-``kappa = 4`` 0/1 Adam stalled at +48% validation loss in a 1,000-step run, with 16 it came
-within 3%. Much shorter runs freeze the variance while the gradient statistics still move fast:
-at 300 steps, ``F = 45``, 0/1 Adam diverged right after the freeze, so ``--quick`` runs 800.)
+per interval, sync gaps up to ``H = 16``. (``kappa`` scaled like a duration would be 1. With an
+earlier, untied-embedding version of this model, ``kappa = 4`` left 0/1 Adam at +48% validation
+loss in a 1,000-step run and ``kappa = 16`` within 3%; much shorter runs freeze the variance
+while the gradient statistics still move fast: at 300 steps, ``F = 45``, 0/1 Adam diverged right
+after the freeze, so ``--quick`` runs 800.)
 The variance steps then number about ``kappa log2(F / kappa)``, which does not
 shrink with the run, so short runs pay relatively more float traffic than the paper's: the
 summary projects the byte reduction to longer runs with the same proportions, from the
