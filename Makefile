@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m benchmarks.comm_report
+	$(PY) -m benchmarks.convergence --quick
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
