@@ -272,3 +272,114 @@ def first_step_of_each_kind(kinds: Sequence[int]) -> dict[int, int]:
 def bytes_per_step(kinds: Sequence[int], traffic: dict[int, KindTraffic]) -> np.ndarray:
     """Bytes each worker sent at each step of a run (float64, one entry per step)."""
     return np.asarray([traffic[int(kind)].sent_bytes for kind in kinds], dtype=np.float64)
+
+
+# --- Compile-only accounting of one optimizer update per step kind (benchmarks.comm_volume) ---
+
+
+def setup_cpu_devices(count: int) -> int:
+    """Like :func:`use_simulated_cpu_devices`, but never raises: if the backend already exists
+    (e.g. under pytest, whose ``conftest.py`` made its own devices) nothing changes.
+
+    Returns:
+      The number of devices JAX has or will have.
+    """
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("PJRT_NPROC", str(max(2 * count, 2)))
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # backend already initialised: keep its devices
+        return jax.device_count()
+    return count
+
+
+def worker_specs(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``ShapeDtypeStruct``s of one worker's ``tree`` with a leading worker axis sharded over
+    ``mesh`` (the worker layout, for compiling without allocating)."""
+    n = mesh.devices.size
+    sharding = NamedSharding(mesh, P(AXIS))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)), x.dtype, sharding=sharding), tree
+    )
+
+
+def zero_one_kinds(
+    variance_policy: ozo.VariancePolicy, local_step_policy: ozo.LocalStepPolicy, num_steps: int
+) -> np.ndarray:
+    """The kind (index into :data:`optax_zero_one.STEP_KINDS`) of each step ``1..num_steps``.
+
+    Walks the optimizer's own policy objects once, advancing them as the optimizer does (the
+    variance policy through phase A, the local-step policy through phase B), and lets
+    :func:`optax_zero_one.step_kind` decide each step from the Python-int counters.
+    """
+    vs, ls = variance_policy.init(), local_step_policy.init()
+    blank = ozo.ZeroOneAdamState(*[None] * len(ozo.ZeroOneAdamState._fields))
+    kinds = np.empty(num_steps, dtype=np.int8)
+    for k in range(1, num_steps + 1):
+        state = blank._replace(count=k - 1, variance_policy=vs, local_step_policy=ls)
+        kinds[k - 1] = ozo.step_kind(state, variance_policy, local_step_policy)
+        if k <= variance_policy.freeze_step:
+            vs = variance_policy.next(vs, k)
+        else:
+            ls = local_step_policy.next(ls, k)
+    return kinds
+
+
+def onebit_kinds(freeze_step: int, num_steps: int) -> np.ndarray:
+    """1-bit Adam's kind of each step ``1..num_steps``: 0 (warm-up) up to ``freeze_step``, then
+    1 (compressed)."""
+    return (np.arange(1, num_steps + 1) > freeze_step).astype(np.int8)
+
+
+# XLA:CPU option that makes a compile for accounting ~2x faster (10 leaves of the compressed mean:
+# ~10 s -> ~5 s on the shared 2-core machine): no LLVM optimisation of the generated code. It
+# does not touch the HLO passes that place, split or combine collectives
+# (tests/test_comm_volume.py checks the stats are identical). Turning off XLA:CPU's fusion
+# emitters as well looked faster on the compressed mean but doubled the compile of a float
+# pmean, and BERT-Large's stalled in layout assignment for > 15 min, so it is not used.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def update_comm_stats(
+    spec: OptimizerSpec,
+    params: Any,
+    num_workers: int,
+    step: int | None = None,
+    compiler_options: dict[str, Any] | None = None,
+) -> ozo.CommStats:
+    """Compiles one optimizer update on ``num_workers`` workers (compile only) and reads its
+    collectives.
+
+    Only the update is compiled, no model: each worker gets gradients shaped like ``params``
+    (averaged with a float32 ``pmean`` first if ``spec.average_grads``). With ``step=k`` the
+    counters are pinned to update ``k`` through ``spec.pin``, so the program holds that step's
+    kind alone. ``spec.tx`` must be able to ``init`` outside the mapped context (build it with
+    ``num_workers=N``).
+
+    Args:
+      spec: the optimizer (see :func:`zero_one_spec`, :func:`onebit_spec`).
+      params: one worker's parameters (arrays or ``jax.ShapeDtypeStruct``).
+      num_workers: ``N``; the mesh is the first ``N`` devices.
+      step: the 1-based step to pin, or ``None`` to keep the counters as inputs.
+      compiler_options: XLA options for the compile, e.g. :data:`FAST_COMPILE` (the HLO passes
+        that place and combine collectives run either way; only code generation is cheaper).
+
+    Returns:
+      The :class:`optax_zero_one.CommStats` of the optimised program.
+    """
+    mesh = worker_mesh(num_workers)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    state = jax.eval_shape(spec.tx.init, shapes)
+
+    def update(grads: Any, state: Any, params: Any) -> Any:
+        if step is not None and spec.pin is not None:
+            state = spec.pin(state, step)
+        if spec.average_grads:
+            grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), AXIS)
+        return spec.tx.update(grads, state, params)
+
+    args = (worker_specs(shapes, mesh), worker_specs(state, mesh), worker_specs(shapes, mesh))
+    if compiler_options is None:
+        return ozo.comm_stats(per_worker(update, mesh), *args)
+    lowered = jax.jit(per_worker(update, mesh)).lower(*args)
+    return ozo.parse_hlo(lowered.compile(compiler_options=compiler_options).as_text())

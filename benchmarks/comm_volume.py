@@ -1,0 +1,766 @@
+"""Data volume, communication rounds and collective launches of Adam, 1-bit Adam and 0/1 Adam.
+
+``python -m benchmarks.comm_volume`` (options: ``--help``). For each model (default BERT-Large;
+``--models bert-base bert-large gpt2`` for the three the paper trained, see
+:mod:`benchmarks.model_trees`) and each worker count ``N`` (default 8, 16, 32, 64, 128):
+
+1. **What one step of each kind sends** is read from compiled programs, not estimated: one
+   optimizer update per step kind is compiled (compile only, ``jax.ShapeDtypeStruct`` inputs) on
+   ``N`` simulated CPU devices under ``jax.shard_map``, with the optimizer's counters pinned (as
+   Python ints) to a step of that kind so that the program holds that kind alone, and
+   :func:`optax_zero_one.parse_hlo` reads its collectives. Each program is checked against
+   ``ALGORITHM.md``: variance / warm-up / Adam = float32 all-reduce only; compressed / sync = one
+   u8 all-to-all + one u8 all-gather; local = nothing.
+2. **How many steps of each kind a run has** comes from walking the optimizers' own policy
+   objects over the whole run (no model is run): default BERT-Large seq-128 pre-training as in
+   DeepSpeed's recipes (4K batch, 152,500 steps; 1-bit Adam ``freeze_step`` 23,000; 0/1 Adam
+   ``var_freeze_step`` 12,500, ``var_update_scaler`` 16, ``local_step_scaler`` 32,678,
+   ``local_step_clipper`` 16).
+3. Per optimizer and ``N``: bytes sent per worker over the run, rounds (steps that communicate),
+   collective launches, reductions against Adam and 1-bit Adam; what DeepSpeed would launch (4
+   collectives per compressed buffer per communicating step; a buffer is each tensor in fp32
+   mode, each parameter group's flat vector in fp16 mode); the fused collective's bytes against
+   the 1-bit information limit ``2 (N-1)/N numel/8`` with padding and scale overheads; and a
+   latency-bandwidth **projection** of step time on 10/40/100 Gbit/s Ethernet and 200 Gbit/s
+   InfiniBand.
+
+Compile cost. Compile time grows with the number of leaves (the compressed mean emits a few
+hundred HLO ops per leaf): a BERT-Large compressed-step program takes minutes to compile on a
+shared 2-core machine. Hence by default (``--programs shared``) every step kind of every
+optimizer is compiled at the smallest ``N`` only, where programs of the same communication class
+are checked to send identical collectives; at the other ``N`` one program per class is compiled
+(Adam's step for the float all-reduce, 1-bit Adam's compressed step for the 1-bit collective;
+the local step, which has no collective, is not recompiled). ``--programs all`` compiles every
+kind at every ``N``. Programs are compiled with ``FAST_COMPILE`` (no LLVM optimisation of the
+generated code; ``--full-compile`` to turn it off). Stats are cached per (model, N, optimizer,
+kind) within the run and in ``results/comm_volume_cache.json`` across runs, keyed by a hash of
+the library's source and everything else a program depends on: an interrupted run resumes, and
+a rerun against an unchanged library compiles nothing (``--cache ''`` to disable).
+
+Writes ``results/comm_volume.json`` and ``results/comm_volume.png`` (cumulative bytes per
+worker over the run, log scale).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _max_workers(argv: list[str]) -> int:
+    """The largest ``--workers`` value on a command line (default 128)."""
+    values, taking = [], False
+    for token in argv:
+        if token.startswith("--"):
+            taking = token == "--workers"
+            continue
+        if taking and token.isdigit():
+            values.append(int(token))
+    return max(values, default=128)
+
+
+if __name__ == "__main__":  # simulated devices: before JAX starts its backend (JAX_NOTES.md)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("PJRT_NPROC", str(2 * _max_workers(sys.argv[1:])))
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import optax_zero_one as ozo  # noqa: E402
+from benchmarks import common, model_trees  # noqa: E402
+from optax_zero_one.compression import padded_size  # noqa: E402
+
+ADAM, ONEBIT, ZERO_ONE = "Adam", "1-bit Adam", "0/1 Adam"
+OPTIMIZERS = (ADAM, ONEBIT, ZERO_ONE)
+KIND_NAMES = {ADAM: ("step",), ONEBIT: ("warmup", "compressed"), ZERO_ONE: ozo.STEP_KINDS}
+
+# Communication classes, and the class ALGORITHM.md says each step kind must be.
+FLOAT, ONE_BIT, SILENT = "float all-reduce", "1-bit", "none"
+EXPECTED = {
+    (ADAM, "step"): FLOAT,
+    (ONEBIT, "warmup"): FLOAT,
+    (ONEBIT, "compressed"): ONE_BIT,
+    (ZERO_ONE, "variance"): FLOAT,
+    (ZERO_ONE, "compressed"): ONE_BIT,
+    (ZERO_ONE, "local"): SILENT,
+    (ZERO_ONE, "sync"): ONE_BIT,
+}
+# The program compiled for a class at the larger N in "shared" mode.
+REPRESENTATIVE = {FLOAT: (ADAM, "step"), ONE_BIT: (ONEBIT, "compressed")}
+
+# DeepSpeed's engine all-reduces full-precision gradients in buckets of this many elements
+# (its default ``allreduce_bucket_size``, 5e8): one launch per bucket.
+DEEPSPEED_BUCKET = 500_000_000
+
+# Compute time per step, default: BERT-Large seq-128 pre-training on V100s. NVIDIA's PyTorch
+# BERT (DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md, "Pre-training NVIDIA
+# DGX-1 With 32G", pytorch:19.07 container) runs 171.52 sequences/s on one V100-32GB with mixed
+# precision, sequence length 128, batch 64; DeepSpeed's 1-bit / 0/1 Adam BERT-Large recipes use
+# a global batch of 4,096 sequences (deepspeed_bsz4k_*_config_seq128.json). Assumed: each
+# worker computes global_batch / N sequences per step at that rate (gradient accumulation where
+# needed), with no overlap of computation and communication.
+V100_SEQ_PER_S = 171.52
+GLOBAL_BATCH = 4_096
+
+# (name, Gbit/s, per-hop latency in microseconds). Latencies are assumptions: ~50 us per message
+# for NCCL over TCP sockets, ~5 us over InfiniBand verbs. Each worker is assumed to have the
+# full link bandwidth to itself.
+NETWORKS = (
+    ("10 GbE", 10.0, 50.0),
+    ("40 GbE", 40.0, 50.0),
+    ("100 GbE", 100.0, 50.0),
+    ("200 Gb IB", 200.0, 5.0),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The training run whose step kinds are counted (defaults: BERT-Large seq-128)."""
+
+    steps: int = 152_500
+    onebit_freeze_step: int = 23_000
+    var_freeze_step: int = 12_500
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32_678
+    local_step_clipper: int = 16
+
+    def variance_policy(self) -> ozo.VarianceDoubling:
+        return ozo.VarianceDoubling(self.var_freeze_step, self.var_update_scaler)
+
+    def local_step_policy(self) -> ozo.LocalStepDoubling:
+        return ozo.LocalStepDoubling(self.local_step_scaler, self.local_step_clipper)
+
+
+def step_kinds(schedule: Schedule) -> dict[str, np.ndarray]:
+    """The kind (index into :data:`KIND_NAMES`) of every step of the run, per optimizer.
+
+    0/1 Adam's come from walking the same policy objects the optimizer is built with.
+    """
+    return {
+        ADAM: np.zeros(schedule.steps, np.int8),
+        ONEBIT: common.onebit_kinds(schedule.onebit_freeze_step, schedule.steps),
+        ZERO_ONE: common.zero_one_kinds(
+            schedule.variance_policy(), schedule.local_step_policy(), schedule.steps
+        ),
+    }
+
+
+def kind_counts(kinds: dict[str, np.ndarray]) -> dict[str, dict[str, int]]:
+    """``{optimizer: {kind name: number of steps}}``."""
+    return {
+        opt: dict(zip(KIND_NAMES[opt], np.bincount(k, minlength=len(KIND_NAMES[opt])).tolist()))
+        for opt, k in kinds.items()
+    }
+
+
+def optimizer_spec(optimizer: str, schedule: Schedule, num_workers: int) -> common.OptimizerSpec:
+    """The optimizer as compiled: built for ``num_workers`` workers on axis ``common.AXIS``."""
+    if optimizer == ADAM:
+        return common.OptimizerSpec(ADAM, optax.adam(1e-3), average_grads=True)
+    if optimizer == ONEBIT:
+        tx = ozo.onebit_adam(
+            1e-3,
+            freeze_step=schedule.onebit_freeze_step,
+            axis_name=common.AXIS,
+            num_workers=num_workers,
+        )
+        return common.onebit_spec(ONEBIT, tx, schedule.onebit_freeze_step)
+    variance, local = schedule.variance_policy(), schedule.local_step_policy()
+    tx = ozo.scale_by_zero_one_adam(
+        1e-3,
+        variance_policy=variance,
+        local_step_policy=local,
+        axis_name=common.AXIS,
+        num_workers=num_workers,
+    )
+    return common.zero_one_spec(ZERO_ONE, tx, variance, local)
+
+
+@dataclasses.dataclass(frozen=True)
+class KindStats:
+    """What one step of one kind sends, per worker, read from a compiled program.
+
+    Attributes:
+      collectives: one dict per collective instruction (kind, dtypes, payload and sent bytes,
+        group size).
+      sent_bytes: bytes one worker sends in that step.
+      launches: collective executions in that step.
+      comm_class: :data:`FLOAT`, :data:`ONE_BIT`, :data:`SILENT`, or a description of anything
+        else.
+      source: which program the numbers were read from (``optimizer/kind@step, N=``).
+      compile_s: wall seconds spent tracing and compiling it (0 when reused).
+      compile_cpu_s: CPU seconds of this process (all threads) for the same.
+    """
+
+    collectives: tuple[dict, ...]
+    sent_bytes: float
+    launches: int
+    comm_class: str
+    source: str
+    compile_s: float
+    compile_cpu_s: float
+
+
+def classify(stats: ozo.CommStats) -> str:
+    """The communication class of a compiled program (see :data:`EXPECTED`)."""
+    if any(c.conditional or c.executions != 1 for c in stats.collectives):
+        return "ambiguous (collective in a branch or loop)"
+    kinds = sorted(c.kind for c in stats.collectives)
+    dtypes = {d for c in stats.collectives for d in c.dtypes}
+    if not kinds:
+        return SILENT
+    if set(kinds) == {"all-reduce"} and dtypes == {"f32"}:
+        return FLOAT
+    if kinds == ["all-gather", "all-to-all"] and dtypes == {"u8"}:
+        return ONE_BIT
+    return "unexpected: " + ", ".join(f"{c.kind}[{','.join(c.dtypes)}]" for c in stats.collectives)
+
+
+def compile_kind(
+    optimizer: str,
+    kind: str,
+    step: int,
+    params: Any,
+    num_workers: int,
+    schedule: Schedule,
+    compiler_options: dict[str, Any] | None,
+) -> KindStats:
+    """Compiles ``optimizer``'s update pinned to ``step`` (of ``kind``) and reads its traffic."""
+    spec = optimizer_spec(optimizer, schedule, num_workers)
+    start, cpu = time.perf_counter(), time.process_time()
+    stats = common.update_comm_stats(
+        spec, params, num_workers, None if optimizer == ADAM else step, compiler_options
+    )
+    collectives = tuple(
+        {
+            "kind": c.kind,
+            "dtypes": list(c.dtypes),
+            "payload_bytes": c.payload_bytes,
+            "sent_bytes": c.sent_bytes,
+            "group_size": c.group_size,
+        }
+        for c in stats.collectives
+    )
+    return KindStats(
+        collectives,
+        stats.sent_bytes_per_device,
+        stats.launches,
+        classify(stats),
+        f"{optimizer}/{kind}@{step}, N={num_workers}",
+        time.perf_counter() - start,
+        time.process_time() - cpu,
+    )
+
+
+def _signature(s: KindStats) -> tuple:
+    return tuple((c["kind"], tuple(c["dtypes"]), c["payload_bytes"]) for c in s.collectives)
+
+
+class Accountant:
+    """Compiles (and caches) the per-kind traffic of each optimizer for a model and ``N``.
+
+    Args:
+      params: one worker's parameter tree (``jax.ShapeDtypeStruct``).
+      schedule: the run (fixes the optimizers' hyperparameters and the first step of each kind).
+      programs: ``"all"`` (every kind at every ``N``) or ``"shared"`` (see the module docstring).
+      compiler_options: passed to XLA (default: ``common.FAST_COMPILE``).
+      progress: called with one line per compiled program.
+      label: the model's name, for progress lines and cache keys.
+      cache_path: a JSON file of stats from earlier runs, keyed by everything the program
+        depends on (the library's source, JAX's version, compiler options, the tree's shapes,
+        the schedule, N, optimizer and kind); new stats are added as they are compiled, so an
+        interrupted run resumes and a rerun with an unchanged library compiles nothing.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        schedule: Schedule,
+        programs: str = "shared",
+        compiler_options: dict[str, Any] | None = common.FAST_COMPILE,
+        progress: Callable[[str], None] = print,
+        label: str = "",
+        cache_path: str | os.PathLike | None = None,
+    ) -> None:
+        if programs not in ("all", "shared"):
+            raise ValueError(f"programs must be 'all' or 'shared', got {programs!r}")
+        self.params, self.schedule, self.programs = params, schedule, programs
+        self.compiler_options, self.progress, self.label = compiler_options, progress, label
+        self.kinds = step_kinds(schedule)
+        self.first_step = {
+            (opt, KIND_NAMES[opt][kind]): step
+            for opt, seq in self.kinds.items()
+            for kind, step in common.first_step_of_each_kind(seq).items()
+        }
+        self.cache: dict[tuple[int, str, str], KindStats] = {}
+        self.reference_n: int | None = None
+        self.compiled = 0
+        self.cache_path = pathlib.Path(cache_path) if cache_path else None
+        self.disk: dict[str, dict] = {}
+        if self.cache_path and self.cache_path.exists():
+            self.disk = json.loads(self.cache_path.read_text())
+        self.fingerprint = _fingerprint(params, schedule, compiler_options, label)
+
+    def _compile(self, n: int, optimizer: str, kind: str) -> KindStats:
+        key = (n, optimizer, kind)
+        disk_key = f"{self.fingerprint}|{n}|{optimizer}|{kind}"
+        if key not in self.cache and disk_key in self.disk:
+            saved = self.disk[disk_key]
+            saved["collectives"] = tuple(saved["collectives"])
+            self.cache[key] = KindStats(**saved)
+            self.progress(
+                f"  {self.label} N={n:<3} {optimizer:<10} {kind:<10} from {self.cache_path}: "
+                f"{saved['comm_class']}, {saved['sent_bytes']:,.0f} B/worker"
+            )
+        if key not in self.cache:
+            step = self.first_step[(optimizer, kind)]
+            self.progress(
+                f"  compiling {self.label} N={n:<3} {optimizer:<10} {kind:<10} (step {step:,}) ..."
+            )
+            stats = compile_kind(
+                optimizer, kind, step, self.params, n, self.schedule, self.compiler_options
+            )
+            self.compiled += 1
+            mark = "" if stats.comm_class == EXPECTED[(optimizer, kind)] else "  <-- UNEXPECTED"
+            self.progress(
+                f"    {stats.comm_class}: {stats.launches} launch(es), "
+                f"{stats.sent_bytes:,.0f} B/worker (compiled in {stats.compile_s:.0f} s, "
+                f"{stats.compile_cpu_s:.0f} CPU s){mark}"
+            )
+            self.cache[key] = stats
+            if self.cache_path:
+                self.disk[disk_key] = dataclasses.asdict(stats)
+                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+                self.cache_path.write_text(json.dumps(self.disk, indent=1))
+        return self.cache[key]
+
+    def per_kind(self, n: int) -> dict[tuple[str, str], KindStats]:
+        """``{(optimizer, kind): KindStats}`` for every kind that occurs in the run, at ``N``."""
+        needed = sorted(self.first_step, key=lambda ok: (OPTIMIZERS.index(ok[0]), ok[1]))
+        if self.programs == "all" or self.reference_n is None or n == self.reference_n:
+            out = {ok: self._compile(n, *ok) for ok in needed}
+            if self.reference_n is None:
+                self.reference_n = n
+                self._check_classes_agree(out)
+            return out
+        out = {}
+        for ok in needed:
+            reference = self.cache[(self.reference_n, *ok)]
+            cls = reference.comm_class
+            if cls == SILENT:
+                out[ok] = dataclasses.replace(reference, compile_s=0.0, compile_cpu_s=0.0)
+            elif cls in REPRESENTATIVE and REPRESENTATIVE[cls] in self.first_step:
+                shared = self._compile(n, *REPRESENTATIVE[cls])
+                reused = ok != REPRESENTATIVE[cls]
+                out[ok] = (
+                    dataclasses.replace(shared, compile_s=0.0, compile_cpu_s=0.0)
+                    if reused
+                    else shared
+                )
+            else:
+                out[ok] = self._compile(n, *ok)
+        return out
+
+    def _check_classes_agree(self, stats: dict[tuple[str, str], KindStats]) -> None:
+        """In shared mode, programs of one class must send identical collectives."""
+        if self.programs != "shared":
+            return
+        by_class: dict[str, set] = {}
+        for s in stats.values():
+            by_class.setdefault(s.comm_class, set()).add(_signature(s))
+        mixed = [cls for cls, sigs in by_class.items() if len(sigs) > 1]
+        if mixed:
+            self.progress(f"  classes {mixed} differ between programs: compiling every kind")
+            self.programs = "all"
+
+
+def _fingerprint(params: Any, schedule: Schedule, options: Any, label: str) -> str:
+    """A hash of everything a compiled program's collectives depend on."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(ozo.__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
+    extra = (jax.__version__, repr(options), label, repr(shapes), repr(schedule))
+    digest.update(repr(extra).encode())
+    return digest.hexdigest()[:16]
+
+
+def deepspeed_launches(counts_by_class: dict[str, int], leaves: int, numel: int) -> dict:
+    """Collective launches DeepSpeed's 1-bit / 0/1 Adam would issue over the run.
+
+    Full-precision steps: one all-reduce per gradient bucket of :data:`DEEPSPEED_BUCKET`
+    elements. Compressed steps: 4 collectives (all-to-all of signs, all-gather of scales, twice)
+    per compressed buffer: each tensor in fp32 mode, each parameter group's flat fp16 master
+    copy in fp16 mode (one group, or two: with and without weight decay).
+    """
+    full = counts_by_class.get(FLOAT, 0) * math.ceil(numel / DEEPSPEED_BUCKET)
+    compressed = counts_by_class.get(ONE_BIT, 0)
+    return {
+        "fp32_per_tensor": full + 4 * leaves * compressed,
+        "fp16_1_group": full + 4 * compressed,
+        "fp16_2_groups": full + 8 * compressed,
+    }
+
+
+def summarize(
+    counts: dict[str, dict[str, int]],
+    per_kind: dict[tuple[str, str], KindStats],
+    leaves: int,
+    numel: int,
+) -> dict[str, dict]:
+    """Per optimizer: bytes per worker, rounds, launches (ours and DeepSpeed's), reductions."""
+    rows = {}
+    for opt in OPTIMIZERS:
+        by_class: dict[str, int] = {}
+        total = {"bytes_per_worker": 0.0, "rounds": 0, "collective_launches": 0}
+        for kind, count in counts[opt].items():
+            if count == 0:
+                continue
+            s = per_kind[(opt, kind)]
+            total["bytes_per_worker"] += count * s.sent_bytes
+            total["rounds"] += count if s.launches > 0 else 0
+            total["collective_launches"] += count * s.launches
+            by_class[s.comm_class] = by_class.get(s.comm_class, 0) + count
+        rows[opt] = {
+            **total,
+            "steps_by_kind": dict(counts[opt]),
+            "steps_by_class": by_class,
+            "deepspeed_launches": deepspeed_launches(by_class, leaves, numel),
+        }
+    for row in rows.values():
+        for ref, name in ((ADAM, "vs_adam"), (ONEBIT, "vs_onebit")):
+            row[f"reduction_{name}"] = {
+                key: 1.0 - row[key] / rows[ref][key] if rows[ref][key] else 0.0
+                for key in ("bytes_per_worker", "rounds", "collective_launches")
+            }
+    return rows
+
+
+def one_bit_limit(leaf_sizes: Sequence[int], num_workers: int) -> dict[str, float]:
+    """Bytes per worker of one fused 1-bit step, split into the information limit and overheads.
+
+    ``limit = 2 (N-1)/N numel/8`` (one bit per element in each phase); padding: each leaf is
+    padded to a multiple of ``N lcm(N, 8)``; scales: 4 bytes per leaf and worker, sent to all
+    ``N`` workers in the all-to-all and gathered from all in the all-gather.
+    """
+    n, leaves = num_workers, len(leaf_sizes)
+    numel = sum(leaf_sizes)
+    padded = sum(padded_size(s, n) for s in leaf_sizes)
+    limit = 2 * (n - 1) / n * numel / 8
+    padding = 2 * (n - 1) / n * (padded - numel) / 8
+    scales = (n - 1) / n * n * 4 * leaves + (n - 1) * 4 * leaves
+    return {
+        "limit_bytes": limit,
+        "padding_bytes": padding,
+        "scale_bytes": scales,
+        "expected_bytes": limit + padding + scales,
+    }
+
+
+def limit_check(measured: float, leaf_sizes: Sequence[int], num_workers: int) -> dict:
+    """The measured compressed-step bytes against :func:`one_bit_limit`."""
+    parts = one_bit_limit(leaf_sizes, num_workers)
+    return {
+        **parts,
+        "measured_bytes": measured,
+        "ratio_to_limit": measured / parts["limit_bytes"],
+        "padding_fraction": parts["padding_bytes"] / parts["limit_bytes"],
+        "scale_fraction": parts["scale_bytes"] / parts["limit_bytes"],
+        "explained": abs(measured - parts["expected_bytes"]) <= 1e-6 * measured + 1,
+        "within_2_percent": measured <= 1.02 * parts["limit_bytes"],
+    }
+
+
+_HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-to-all": lambda n: n - 1}
+
+
+def comm_time(stats: KindStats, num_workers: int, gbit_s: float, latency_us: float) -> float:
+    """Latency-bandwidth time of one step's collectives: ``hops * latency + sent / bandwidth``.
+
+    Hops: a ring all-reduce takes ``2 (N-1)`` steps, an all-to-all and an all-gather ``N-1``.
+    """
+    total = 0.0
+    for c in stats.collectives:
+        hops = _HOPS.get(c["kind"], lambda n: n - 1)(num_workers)
+        total += hops * latency_us * 1e-6 + c["sent_bytes"] * 8 / (gbit_s * 1e9)
+    return total
+
+
+def project(
+    counts: dict[str, dict[str, int]],
+    per_kind: dict[tuple[str, str], KindStats],
+    num_workers: int,
+    compute_s: float,
+    networks: Sequence[tuple[str, float, float]] = NETWORKS,
+) -> dict[str, dict]:
+    """Projected mean step time per optimizer and network, and the speedups (a model, not a
+    measurement: compute + latency-bandwidth communication, no overlap)."""
+    out = {}
+    for name, gbit_s, latency_us in networks:
+        times = {}
+        for opt in OPTIMIZERS:
+            total = sum(
+                count
+                * (compute_s + comm_time(per_kind[(opt, kind)], num_workers, gbit_s, latency_us))
+                for kind, count in counts[opt].items()
+                if count
+            )
+            times[opt] = total / sum(counts[opt].values())
+        out[name] = {
+            "mean_step_s": times,
+            "speedup_zero_one_vs_adam": times[ADAM] / times[ZERO_ONE],
+            "speedup_zero_one_vs_onebit": times[ONEBIT] / times[ZERO_ONE],
+            "speedup_onebit_vs_adam": times[ADAM] / times[ONEBIT],
+        }
+    return out
+
+
+def bytes_per_step(kinds: np.ndarray, optimizer: str, per_kind: dict) -> np.ndarray:
+    """Bytes each worker sends at each step of the run."""
+    table = np.asarray(
+        [
+            per_kind[(optimizer, k)].sent_bytes if (optimizer, k) in per_kind else 0.0
+            for k in KIND_NAMES[optimizer]
+        ]
+    )
+    return table[kinds]
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def _bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:,.1f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def print_tables(model: str, info: dict, schedule: Schedule, results: dict) -> None:
+    print(
+        f"\n{model}: {info['numel']:,} parameters in {info['leaves']} leaves; run of "
+        f"{schedule.steps:,} steps. Per worker over the whole run:"
+    )
+    print(
+        f"{'N':>4}  {'optimizer':<11}{'bytes':>11}{'vs Adam':>9}{'vs 1-bit':>9}{'rounds':>9}"
+        f"{'vs 1-bit':>9}{'launches':>10}{'DS fp32':>10}{'DS fp16x1':>10}{'DS fp16x2':>10}"
+    )
+    for n, rows in results.items():
+        for opt, r in rows.items():
+            ds = r["deepspeed_launches"]
+            print(
+                f"{n:>4}  {opt:<11}{_bytes(r['bytes_per_worker']):>11}"
+                f"{_pct(r['reduction_vs_adam']['bytes_per_worker']):>9}"
+                f"{_pct(r['reduction_vs_onebit']['bytes_per_worker']):>9}{r['rounds']:>9,}"
+                f"{_pct(r['reduction_vs_onebit']['rounds']):>9}{r['collective_launches']:>10,}"
+                f"{ds['fp32_per_tensor']:>10,}{ds['fp16_1_group']:>10,}{ds['fp16_2_groups']:>10,}"
+            )
+
+
+def _library_version() -> str:
+    """``optax_zero_one``'s version and the git commit of the checkout (``+dirty`` if changed)."""
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "optax_zero_one"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return ozo.__version__
+    return f"{ozo.__version__} ({commit}{'+dirty' if dirty else ''})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Schedule()
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.comm_volume",
+        description="Data volume, rounds and launches of Adam, 1-bit Adam and 0/1 Adam, from "
+        "compiled programs and the optimizers' own schedules.",
+    )
+    p.add_argument("--models", nargs="+", default=["bert-large"], choices=list(model_trees.MODELS))
+    p.add_argument("--workers", nargs="+", type=int, default=[8, 16, 32, 64, 128])
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--freeze-step", type=int, default=d.onebit_freeze_step, help="1-bit Adam")
+    p.add_argument("--var-freeze-step", type=int, default=d.var_freeze_step)
+    p.add_argument("--var-update-scaler", type=int, default=d.var_update_scaler)
+    p.add_argument("--local-step-scaler", type=int, default=d.local_step_scaler)
+    p.add_argument("--local-step-clipper", type=int, default=d.local_step_clipper)
+    p.add_argument("--programs", choices=["shared", "all"], default="shared")
+    p.add_argument("--full-compile", action="store_true", help="XLA's default LLVM optimisation")
+    p.add_argument(
+        "--compute-time",
+        type=float,
+        default=None,
+        help="seconds of computation per step (default: global batch / N / seq-per-s)",
+    )
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
+    p.add_argument("--seq-per-s", type=float, default=V100_SEQ_PER_S, help="per worker")
+    p.add_argument("--eth-latency-us", type=float, default=50.0)
+    p.add_argument("--ib-latency-us", type=float, default=5.0)
+    p.add_argument("--plot-workers", type=int, default=64)
+    p.add_argument(
+        "--cache",
+        default="results/comm_volume_cache.json",
+        help="stats of earlier runs, reused when nothing they depend on changed ('' = none)",
+    )
+    p.add_argument("--out", default="results/comm_volume.json")
+    p.add_argument("--plot", default="results/comm_volume.png")
+    return p
+
+
+def plot(path: pathlib.Path, curves: dict[str, dict[str, np.ndarray]], n: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
+    for ax, (model, per_opt) in zip(axes[0], curves.items()):
+        for opt, per_step in per_opt.items():
+            cumulative = np.cumsum(per_step)
+            idx = np.unique(np.linspace(0, len(cumulative) - 1, 1500).astype(int))
+            ax.plot(idx + 1, cumulative[idx], label=f"{opt} ({_bytes(cumulative[-1])})")
+        ax.set_yscale("log")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("cumulative bytes sent per worker")
+        ax.set_title(f"{model}, N = {n} workers")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    workers = sorted(set(args.workers))
+    common.setup_cpu_devices(max(workers))
+    schedule = Schedule(
+        args.steps,
+        args.freeze_step,
+        args.var_freeze_step,
+        args.var_update_scaler,
+        args.local_step_scaler,
+        args.local_step_clipper,
+    )
+    options = None if args.full_compile else common.FAST_COMPILE
+    networks = [
+        (name, gbit, args.ib_latency_us if "IB" in name else args.eth_latency_us)
+        for name, gbit, _ in NETWORKS
+    ]
+    started = time.perf_counter()
+    kinds = step_kinds(schedule)
+    counts = kind_counts(kinds)
+    print(f"Step kinds over {schedule.steps:,} steps (walked from the optimizers' policies):")
+    for opt, c in counts.items():
+        print(f"  {opt:<11}" + ", ".join(f"{k} {v:,}" for k, v in c.items()))
+
+    out: dict[str, Any] = {
+        "command": "python -m benchmarks.comm_volume " + " ".join(argv or sys.argv[1:]),
+        "library": _library_version(),
+        "schedule": dataclasses.asdict(schedule),
+        "step_kinds": counts,
+        "programs": args.programs,
+        "compiler_options": options,
+        "projection_assumptions": {
+            "compute_s_per_step": args.compute_time
+            or f"{args.global_batch} / N / {args.seq_per_s} (V100 BERT-Large seq-128)",
+            "networks": [{"name": a, "gbit_s": b, "latency_us": c} for a, b, c in networks],
+            "model": "compute + sum over collectives of hops * latency + bytes / bandwidth; "
+            "no overlap; ring all-reduce 2(N-1) hops, all-to-all and all-gather N-1",
+        },
+        "models": {},
+    }
+    curves: dict[str, dict[str, np.ndarray]] = {}
+    for model in args.models:
+        tree = model_trees.MODELS[model]()
+        sizes = [leaf.size for leaf in jax.tree.leaves(tree)]
+        info = {"numel": sum(sizes), "leaves": len(sizes)}
+        print(f"\n{model}: {info['numel']:,} parameters, {info['leaves']} leaves", flush=True)
+        acct = Accountant(
+            tree, schedule, args.programs, options, label=model, cache_path=args.cache
+        )
+        acct.progress = lambda line: print(line, flush=True)
+        per_n, limits, projections, programs = {}, {}, {}, {}
+        for n in workers:
+            per_kind = acct.per_kind(n)
+            programs[n] = {f"{o}/{k}": dataclasses.asdict(s) for (o, k), s in per_kind.items()}
+            per_n[n] = summarize(counts, per_kind, info["leaves"], info["numel"])
+            compressed = per_kind.get((ONEBIT, "compressed")) or per_kind.get(
+                (ZERO_ONE, "compressed")
+            )
+            if compressed is not None:
+                limits[n] = limit_check(compressed.sent_bytes, sizes, n)
+            compute = args.compute_time or args.global_batch / n / args.seq_per_s
+            projections[n] = {
+                "compute_s": compute,
+                **project(counts, per_kind, n, compute, networks),
+            }
+            if n == args.plot_workers or (args.plot_workers not in workers and n == workers[-1]):
+                curves[model] = {o: bytes_per_step(kinds[o], o, per_kind) for o in OPTIMIZERS}
+        print_tables(model, info, schedule, per_n)
+        print("\nFused 1-bit step vs the information limit 2(N-1)/N numel/8 (bytes per worker):")
+        for n, lim in limits.items():
+            ok = "ok" if lim["within_2_percent"] else "OVER 2%"
+            print(
+                f"  N={n:<4}measured {lim['measured_bytes']:>14,.0f}  limit "
+                f"{lim['limit_bytes']:>14,.0f}  x{lim['ratio_to_limit']:.4f} ({ok}); padding "
+                f"+{100 * lim['padding_fraction']:.2f}%, scales +{100 * lim['scale_fraction']:.3f}%"
+                f"; measured = limit + padding + scales: {lim['explained']}"
+            )
+        print("\nPROJECTION (latency-bandwidth model, not a measurement): speedup of 0/1 Adam")
+        print(f"{'N':>4} {'compute':>9}  " + "  ".join(f"{name:>20}" for name, _, _ in networks))
+        print(
+            f"{'':>4} {'s/step':>9}  " + "  ".join(f"{'vs Adam / vs 1-bit':>20}" for _ in networks)
+        )
+        for n, proj in projections.items():
+            cells = [
+                f"{proj[name]['speedup_zero_one_vs_adam']:>8.2f}x / "
+                f"{proj[name]['speedup_zero_one_vs_onebit']:.2f}x"
+                for name, _, _ in networks
+            ]
+            print(f"{n:>4} {proj['compute_s']:>9.3f}  " + "  ".join(f"{c:>20}" for c in cells))
+        out["models"][model] = {
+            **info,
+            "per_workers": {str(n): per_n[n] for n in workers},
+            "information_limit": {str(n): v for n, v in limits.items()},
+            "projection": {str(n): v for n, v in projections.items()},
+            "programs": {str(n): v for n, v in programs.items()},
+            "programs_compiled": acct.compiled,
+        }
+    out["wall_s"] = time.perf_counter() - started
+    path = pathlib.Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=float))
+    if curves and args.plot:
+        plot(pathlib.Path(args.plot), curves, args.plot_workers)
+    print(f"\nwrote {path}" + (f" and {args.plot}" if curves and args.plot else ""))
+    print(f"total {out['wall_s']:.0f} s")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Parameter trees of the models the 0/1 Adam paper trained, as ``jax.ShapeDtypeStruct``s.
+
+Nothing is allocated: the trees only carry shapes, for compile-only communication accounting and
+for sizing the overhead benchmark. Leaf names and shapes follow the public reference models
+(one leaf per weight matrix, bias, LayerNorm scale and offset):
+
+- BERT-Base and BERT-Large pre-training models (Devlin et al., arXiv:1810.04805, Table/Section
+  3: L=12, H=768, A=12, 110M and L=24, H=1024, A=16, 340M; WordPiece vocabulary 30,522,
+  512 positions, 2 token types), with the masked-LM transform and bias and the next-sentence
+  head (the MLM decoder weight is tied to the word embeddings). BERT-Large here has 336.2M
+  parameters in 398 leaves.
+- GPT-2 (Radford et al., 2019: 12 layers, d_model 768, vocabulary 50,257, 1,024 positions; the
+  model the paper calls 117M has 124.4M parameters; the output layer is tied to the token
+  embeddings). The 0/1 Adam paper (Lu et al., arXiv:2202.06009) pre-trains BERT-Base,
+  BERT-Large and GPT-2; pass ``--models gpt2-medium`` (24 layers, d_model 1024, 355M) for the
+  next GPT-2 size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _spec(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _dense(d_in: int, d_out: int) -> dict[str, jax.ShapeDtypeStruct]:
+    return {"kernel": _spec(d_in, d_out), "bias": _spec(d_out)}
+
+
+def _norm(d: int) -> dict[str, jax.ShapeDtypeStruct]:
+    return {"scale": _spec(d), "bias": _spec(d)}
+
+
+def bert(
+    layers: int, hidden: int, vocab: int = 30_522, positions: int = 512, token_types: int = 2
+) -> dict:
+    """A BERT pre-training model: embeddings, encoder layers, pooler, MLM and NSP heads."""
+    ffn = 4 * hidden
+    layer = {
+        "query": _dense(hidden, hidden),
+        "key": _dense(hidden, hidden),
+        "value": _dense(hidden, hidden),
+        "attention_out": _dense(hidden, hidden),
+        "attention_norm": _norm(hidden),
+        "intermediate": _dense(hidden, ffn),
+        "output": _dense(ffn, hidden),
+        "output_norm": _norm(hidden),
+    }
+    return {
+        "embeddings": {
+            "word": _spec(vocab, hidden),
+            "position": _spec(positions, hidden),
+            "token_type": _spec(token_types, hidden),
+            "norm": _norm(hidden),
+        },
+        "encoder": [dict(layer) for _ in range(layers)],
+        "pooler": _dense(hidden, hidden),
+        "mlm": {"transform": _dense(hidden, hidden), "norm": _norm(hidden), "bias": _spec(vocab)},
+        "nsp": _dense(hidden, 2),
+    }
+
+
+def gpt2(layers: int, hidden: int, vocab: int = 50_257, positions: int = 1_024) -> dict:
+    """A GPT-2 language model (pre-LayerNorm blocks, final norm, output tied to ``wte``)."""
+    block = {
+        "ln_1": _norm(hidden),
+        "attn_qkv": _dense(hidden, 3 * hidden),
+        "attn_proj": _dense(hidden, hidden),
+        "ln_2": _norm(hidden),
+        "mlp_fc": _dense(hidden, 4 * hidden),
+        "mlp_proj": _dense(4 * hidden, hidden),
+    }
+    return {
+        "wte": _spec(vocab, hidden),
+        "wpe": _spec(positions, hidden),
+        "blocks": [dict(block) for _ in range(layers)],
+        "ln_f": _norm(hidden),
+    }
+
+
+MODELS = {
+    "bert-base": lambda: bert(12, 768),
+    "bert-large": lambda: bert(24, 1024),
+    "gpt2": lambda: gpt2(12, 768),
+    "gpt2-medium": lambda: gpt2(24, 1024),
+}
+
+
+def transformer_of_size(num_params: int) -> dict:
+    """A GPT-2-shaped tree of about ``num_params`` parameters with a transformer's leaf count.
+
+    Width and depth grow with the size (1M: d=128, 4 layers; 10M: d=256, 8 layers; 100M:
+    d=768, 12 layers, like GPT-2 small; below 300k: d=32, 4 layers); the embedding rows make up
+    the rest.
+    """
+    if num_params < 300_000:
+        hidden, layers = 32, 4
+    elif num_params < 3_000_000:
+        hidden, layers = 128, 4
+    elif num_params < 30_000_000:
+        hidden, layers = 256, 8
+    else:
+        hidden, layers = 768, 12
+    per_layer = 12 * hidden * hidden + 13 * hidden
+    rows = max((num_params - layers * per_layer - 2 * hidden) // hidden, 2)
+    positions = max(rows // 8, 1)
+    return gpt2(layers, hidden, vocab=rows - positions, positions=positions)
+
+
+def numel(tree: dict) -> int:
+    """Total number of parameters of a tree."""
+    return sum(leaf.size for leaf in jax.tree.leaves(tree))
+
+
+def num_leaves(tree: dict) -> int:
+    """Number of parameter tensors of a tree."""
+    return len(jax.tree.leaves(tree))
