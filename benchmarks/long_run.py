@@ -14,6 +14,8 @@ Two runs on 8 simulated CPU workers (``jax.shard_map``; every step waited for, s
    the loss of the synchronised params on held-out data, the error buffers, and how far the
    workers' params are apart right after each sync. ``optax.adam`` on the averaged gradient
    gives the reference loss.
+3. **Workers' params after a sync**, 0/1 Adam with bfloat16 and with float32 params on a noisy
+   quadratic: how far apart the workers are right after each sync, early and late in the run.
 
 Memory: process RSS and the number of live JAX arrays, sampled through the run.
 
@@ -311,9 +313,55 @@ def _kinds(variance: Any, local: Any, steps: int) -> list[str]:
     ]
 
 
+# --- 3. how far apart the workers' params are after a sync, by params dtype ---------------------
+
+
+def sync_spread_run(steps: int, num_workers: int = 4, size: int = 256) -> dict:
+    """0/1 Adam on a noisy quadratic (target 1, every worker its own curvature and noise) with
+    params in bfloat16 and in float32: the largest difference between two workers' params right
+    after each sync. After a sync every worker holds ``x_i + u_i - what / (sqrt(v) + eps)``; the
+    rounding of ``x_i`` during the interval (which ``u_i`` does not see) stays in ``x_i + u_i``,
+    differs between workers and is never corrected, so the spread can only random-walk."""
+    schedule = dict(
+        var_freeze_step=20, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4
+    )
+    tx = ozo.zero_one_adam(0.01, axis_name=AXIS, **schedule)
+    variance = ozo.VarianceDoubling(20, 2)
+    local = ozo.LocalStepDoubling(4, 4)
+    syncs = np.asarray(_kinds(variance, local, steps)) == "sync"
+
+    def worker(x: jax.Array, noise: jax.Array) -> jax.Array:
+        curvature = 1.0 + lax.axis_index(AXIS).astype(jnp.float32)
+
+        def step(carry: Any, n: jax.Array) -> tuple:
+            x, state = carry
+            g = (curvature * (x.astype(jnp.float32) - 1.0) + n).astype(x.dtype)
+            updates, state = tx.update(g, state, x)
+            x = optax.apply_updates(x, updates)
+            return (x, state), x
+
+        return lax.scan(step, (x, tx.init(x)), noise)[1]
+
+    noise = 0.5 * jax.random.normal(jax.random.key(5), (num_workers, steps, size))
+    out = {}
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x0 = jnp.zeros((num_workers, size), dtype)
+        xs = np.asarray(jax.jit(jax.vmap(worker, axis_name=AXIS))(x0, noise), np.float32)
+        spread = (xs.max(0) - xs.min(0)).max(-1)[syncs]  # per sync step
+        tenth = max(len(spread) // 10, 1)
+        out[jnp.dtype(dtype).name] = {
+            "ulp_at_1": float(jnp.finfo(dtype).eps),
+            "first_tenth_mean": float(spread[:tenth].mean()),
+            "last_tenth_mean": float(spread[-tenth:].mean()),
+            "max": float(spread.max()),
+            "distance_to_target_final": float(np.abs(xs[:, -1] - 1).mean()),
+        }
+    return {"steps": steps, "workers": num_workers, "syncs": int(syncs.sum()), **out}
+
+
 def markdown(result: dict) -> str:
     """The figures as the README's reliability section reports them."""
-    cm, za = result["compressed_mean"], result["zero_one_adam"]
+    cm, za, sp = result["compressed_mean"], result["zero_one_adam"], result["sync_spread"]
     mem = lambda m: f"{m[0]['rss_mib']:.0f} -> {m[1]['rss_mib']:.0f} -> {m[-1]['rss_mib']:.0f} MiB"
     arrays = lambda m: f"{m[1]['live_arrays']} -> {m[-1]['live_arrays']}"
     return "\n".join(
@@ -371,6 +419,20 @@ def markdown(result: dict) -> str:
             f"{za['params_spread_after_sync']['last_tenth_mean']:.3g}. RSS {mem(za['memory'])}; "
             f"live arrays {arrays(za['memory'])}. {za['seconds']:.0f} s.",
             "",
+            f"## Workers' params after a sync, by params dtype ({sp['steps']:,} steps, "
+            f"{sp['workers']} workers, {sp['syncs']} syncs)",
+            "",
+            "Largest difference between two workers' params right after a sync (params ~1):",
+            "",
+            "| params | ulp at 1 | first tenth of syncs | last tenth | max | distance to target |",
+            "|---|---|---|---|---|---|",
+            *(
+                f"| {name} | {sp[name]['ulp_at_1']:.3g} | {sp[name]['first_tenth_mean']:.3g} | "
+                f"{sp[name]['last_tenth_mean']:.3g} | {sp[name]['max']:.3g} | "
+                f"{sp[name]['distance_to_target_final']:.3g} |"
+                for name in ("bfloat16", "float32")
+            ),
+            "",
         ]
     )
 
@@ -386,6 +448,8 @@ def main() -> None:
     result = {"compressed_mean": compressed_mean_run(calls, max(calls // 20, 1))}
     print(f"0/1 Adam, {steps} steps on {WORKERS} workers", flush=True)
     result["zero_one_adam"] = zero_one_adam_run(steps, max(steps // 20, 1))
+    print(f"params spread after syncs, bfloat16 vs float32, {2 * steps // 5} steps", flush=True)
+    result["sync_spread"] = sync_spread_run(2 * steps // 5)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
