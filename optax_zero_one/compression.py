@@ -73,8 +73,15 @@ def compress(
     # otherwise LLVM may contract square-then-add into FMAs in one mapping of the workers and
     # not in another (seen: vmap vs pmap), and scales would differ in the last bit.
     # (lax.optimization_barrier does not help: XLA:CPU drops it before fusion.)
-    squares = jnp.maximum(jnp.square(a), 0.0)
-    scale = jnp.sqrt(pairwise_sum(squares, axis=axis) / n)
+    # Scaling by an exact power of two (from the largest magnitude) keeps the sum of squares
+    # from overflowing (|a| > ~1.8e19 in float32) or flushing to zero (|a| < ~1e-19); it is
+    # exact, so the scale is bitwise unchanged in the normal range.
+    peak = jnp.max(jnp.abs(a), axis=axis, keepdims=True)
+    info = jnp.finfo(a.dtype)
+    exponent = jnp.clip(jnp.frexp(peak)[1], info.minexp + 1, info.maxexp - 1)
+    unit = jnp.ldexp(jnp.ones_like(peak), -exponent)
+    squares = jnp.maximum(jnp.square(a * unit), 0.0)
+    scale = jnp.sqrt(pairwise_sum(squares, axis=axis) / n) / unit
     signs = a >= 0
     new_error = a - jnp.where(signs, scale, -scale)
     return signs, scale, new_error

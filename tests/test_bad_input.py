@@ -375,14 +375,6 @@ def compressed_mean_of(values):
     return jax.jit(jax.vmap(fn, axis_name=AXIS))(values)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compression.compress computes the RMS scale from a plain sum of squares, which "
-    "overflows in float32 once |z + e| >= ~1.8e19: scale = inf, the output and every worker's "
-    "error buffer become NaN/inf (finite input!); the optimizers then skip the step as "
-    "non-finite, so such a gradient is lost. Fix: scale by an exact power of two before "
-    "squaring (see the report); bitwise unchanged in the normal range.",
-)
 def test_huge_finite_values_are_compressed():
     values = jnp.asarray(np.random.default_rng(0).standard_normal((N, 64)) * 1e20, jnp.float32)
     out, errors = compressed_mean_of(values)
@@ -390,12 +382,6 @@ def test_huge_finite_values_are_compressed():
     assert all(np.all(np.isfinite(np.asarray(e))) for e in jax.tree.leaves(errors))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the same sum of squares underflows (flush to zero) once |z + e| <= ~1e-19 in "
-    "float32: scale = 0, the output is 0 and the whole value stays in the error buffer until "
-    "it grows past ~1e-19. Same fix (power-of-two scaling before squaring).",
-)
 def test_tiny_values_are_compressed():
     values = jnp.asarray(np.random.default_rng(0).standard_normal((N, 64)) * 1e-25, jnp.float32)
     out, _ = compressed_mean_of(values)
