@@ -140,16 +140,51 @@ def all_static(*values: Any) -> bool:
     return all(isinstance(v, bool | int | np.bool_ | np.integer) for v in values)
 
 
-def switch(index: Any, branches: Any, *operands: Any) -> Any:
-    """``lax.switch``, or a direct call of one branch when ``index`` is a Python int.
+def varying_axes(x: Any) -> frozenset:
+    """The mesh axes ``x`` is typed as varying over (``shard_map``); empty elsewhere."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return getattr(manual, "varying", frozenset())
 
-    The direct call is what lets a state pinned to one step compile that step kind alone: XLA
-    does not drop untaken ``conditional`` branches that contain collectives, even when the index
-    is a constant.
+
+def vary_over(x: jax.Array, axes: frozenset) -> jax.Array:
+    """``x`` typed as varying over ``axes`` too (``shard_map``'s check; a no-op elsewhere)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def run_if(pred: Any, fn: Any, carry: Any, like: Any = ()) -> Any:
+    """``fn(carry)`` where ``pred`` holds, else ``carry``, updating ``carry``'s buffers in place.
+
+    A Python bool traces only the side taken (a state pinned to one step kind compiles that
+    kind alone). A traced ``pred`` becomes a ``while_loop`` of zero or one trip rather than a
+    ``lax.cond``: XLA copies every buffer that a conditional's branch passes through unchanged
+    (measured on CPU: a pass-through branch costs as much as one elementwise pass over the
+    buffers), while a loop that does not run leaves its carry where it is. This is what lets a
+    0/1 Adam local step skip the communicating kinds' buffers at no cost.
+
+    Args:
+      pred: a scalar bool, identical on the workers (a Python bool, or a traced one).
+      fn: maps ``carry`` to a tree of the same structure, shapes and dtypes. Pass everything
+        ``fn`` reads in ``carry`` (read-only values too): an array read from outside the loop
+        is copied into it on every call.
+      carry: the values to update.
+      like: arrays whose ``shard_map`` varying axes the carry takes on (everything ``fn`` reads
+        per worker), so that the loop's types match.
     """
-    if all_static(index):
-        return branches[int(index)](*operands)
-    return jax.lax.switch(index, branches, *operands)
+    if all_static(pred):
+        return fn(carry) if pred else carry
+    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves((pred, carry, like))))
+    carry = jax.tree.map(lambda x: vary_over(jnp.asarray(x), axes), carry)
+
+    def body(state: Any) -> Any:
+        trip, values = state
+        out = jax.tree.map(lambda x: vary_over(x, axes), fn(values))
+        # The barrier keeps XLA from treating values passed through unchanged as loop
+        # invariants, which it would copy into the loop on every call (measured).
+        return trip + 1, jax.lax.optimization_barrier(out)
+
+    trips = jnp.asarray(pred).astype(jnp.int32)
+    return jax.lax.while_loop(lambda s: s[0] < trips, body, (jnp.zeros([], jnp.int32), carry))[1]
 
 
 def all_finite(tree: Any) -> jax.Array:

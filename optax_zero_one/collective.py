@@ -8,7 +8,8 @@ worker ``j``) and one ``all_gather`` (every server's packed signs and scales), w
 number of leaves.
 
 The functional core, :func:`compressed_mean`, takes and returns the error buffers explicitly so
-that the optimizers can call it inside a ``lax.switch`` branch.
+that the optimizers can call it on the step kinds that communicate; :func:`checked_mean` adds
+the non-finite check they need.
 
 A second backend, ``collective="psum"`` (:mod:`optax_zero_one.psum_mean`), does the same job in
 one integer all-reduce of packed sign counts under a shared scale per leaf.
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_zero_one import compression, psum_mean
+from optax_zero_one import _checks, compression, psum_mean
 
 _COLLECTIVES = ("two_phase", "psum")
 
@@ -167,6 +168,32 @@ def compressed_mean(
     Returns:
       ``(mean, new_errors)``: the compressed mean, a tree like ``tree`` with its dtypes.
     """
+    mean, new_errors, _ = _compressed_mean(tree, errors, axis_name, collective)
+    return mean, new_errors
+
+
+def checked_mean(
+    tree: Any, errors: OnebitMeanState, axis_name: str | None, collective: str = "two_phase"
+) -> tuple[Any, OnebitMeanState, jax.Array]:
+    """:func:`compressed_mean` plus whether the mean is finite; if it is not, the old errors.
+
+    Every worker gets the same flag. It is read from the scales that travelled anyway (a NaN or
+    Inf anywhere in any worker's input makes every server's scale of that leaf non-finite), so it
+    costs no extra pass over the mean and no extra round.
+
+    Returns:
+      ``(mean, errors, finite)``: ``errors`` are the new buffers where ``finite``, else ``errors``
+      unchanged (restored in place by a loop that runs only when needed).
+    """
+    mean, new_errors, finite = _compressed_mean(tree, errors, axis_name, collective)
+    restored = _checks.run_if(~finite, lambda _: errors, new_errors, like=tree)
+    return mean, restored, finite
+
+
+def _compressed_mean(
+    tree: Any, errors: OnebitMeanState, axis_name: str | None, collective: str
+) -> tuple[Any, OnebitMeanState, jax.Array]:
+    """:func:`compressed_mean` and a scalar bool: whether every scale (hence the mean) is finite."""
     check_collective(collective)
     num_workers = axis_size(axis_name)
     if collective == "psum":
@@ -180,17 +207,17 @@ def compressed_mean(
     _check_errors(leaves, errors, num_workers, collective)
     check_float_leaves(tree, "the compressed mean's input")  # a complex part would be dropped
     if num_workers == 1:
-        return tree, errors
+        return tree, errors, _checks.all_finite(tree)
     if collective == "psum":
-        mean, worker_error = psum_mean.compressed_mean(tree, errors.worker_error, axis_name)
+        mean, worker_error, finite = psum_mean.compressed_mean(tree, errors.worker_error, axis_name)
         mean = jax.tree.map(lambda m, x: vary_like(m, x), mean, tree)
-        return mean, OnebitMeanState(worker_error, errors.server_error)
+        return mean, OnebitMeanState(worker_error, errors.server_error), finite
     n = num_workers
     worker_errors = jax.tree.leaves(errors.worker_error)
     server_errors = jax.tree.leaves(errors.server_error)
     live = [i for i, leaf in enumerate(leaves) if leaf.size > 0]
     if not live:
-        return tree, errors
+        return tree, errors, jnp.ones([], bool)
 
     # Phase 1: compress locally; chunk j of every leaf plus all scales go to worker j.
     new_worker_errors = list(worker_errors)
@@ -236,7 +263,8 @@ def compressed_mean(
         jax.tree.unflatten(treedef, new_worker_errors),
         jax.tree.unflatten(treedef, new_server_errors),
     )
-    return jax.tree.unflatten(treedef, outputs), new_errors
+    finite = jnp.all(jnp.isfinite(server_scales))
+    return jax.tree.unflatten(treedef, outputs), new_errors, finite
 
 
 def _ordered_sum(x: jax.Array) -> jax.Array:
@@ -264,21 +292,15 @@ def float_mean(tree: Any, axis_name: str | None) -> Any:
     return jax.tree.map(lambda m, x: vary_like(m, x), lax.pmean(wide, axis_name), wide)
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return getattr(manual, "varying", frozenset())
-
-
 def vary_like(out: jax.Array, like: jax.Array) -> jax.Array:
     """Marks ``out`` as varying over every mesh axis ``like`` varies over (``shard_map``'s
     type check; a no-op under ``vmap`` and ``pmap``).
 
-    A ``pmean`` result is typed as replicated over the reduced axis; inside a ``lax.switch``
-    whose other branches return per-worker values it must carry the same type, including axes
-    of a larger mesh that the optimizer does not reduce over (e.g. a ``"model"`` axis).
+    A ``pmean`` result is typed as replicated over the reduced axis; where it meets per-worker
+    values (a loop carry, a select) it must carry the same type, including axes of a larger mesh
+    that the optimizer does not reduce over (e.g. a ``"model"`` axis).
     """
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(out)))
-    return lax.pcast(out, missing, to="varying") if missing else out
+    return _checks.vary_over(out, _checks.varying_axes(like))
 
 
 def onebit_mean(

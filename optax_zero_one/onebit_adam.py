@@ -126,46 +126,50 @@ def scale_by_onebit_adam(
         collective_lib.axis_size(axis_name)
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
         warmup = state.count + 1 <= freeze_step
-        mu_local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
 
-        # Each branch returns (mean, comm, finite); a non-finite mean keeps the old buffers.
-        def full_precision(g: Any, m: Any, c: Any) -> Any:
+        # Each kind runs in a loop of zero or one trip (`_checks.run_if`: nothing is copied
+        # through the kind that does not run) and leaves the new moments in (m, v). Everything
+        # a loop reads travels in its carry (one read from outside would be copied in).
+        def full_precision(carry: Any) -> Any:
+            g, m, v, comm, _ = carry
             mean = collective_lib.float_mean(g, axis_name)
-            return mean, c, _checks.all_finite(mean)
+            ok = _checks.all_finite(mean)
+            m = jax.tree.map(lambda m, x: jnp.where(ok, b1 * m + (1 - b1) * x, m), m, mean)
+            v = jax.tree.map(
+                lambda v, x: jnp.where(ok, b2 * v + (1 - b2) * jnp.square(x), v), v, mean
+            )
+            return g, m, v, comm, ok
 
-        def compressed(g: Any, m: Any, c: Any) -> Any:
-            mean, new = collective_lib.compressed_mean(m, c, axis_name, collective)
-            finite = _checks.all_finite(mean)
-            return mean, _checks.where_tree(finite, new, c), finite
+        def compressed(carry: Any) -> Any:
+            g, m, v, comm, _ = carry
+            local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+            mean, comm, ok = collective_lib.checked_mean(local, comm, axis_name, collective)
+            mean = _checks.apply_mask(mask, mean)
+            return g, jax.tree.map(lambda x, m: jnp.where(ok, x, m), mean, m), v, comm, ok
 
-        index = (0 if warmup else 1) if _checks.all_static(warmup) else jnp.where(warmup, 0, 1)
-        mean, comm, finite = _checks.switch(
-            index, (full_precision, compressed), grads, mu_local, state.comm
-        )
-        mu = jax.tree.map(
-            lambda m, x, mx: jnp.where(warmup, b1 * m + (1 - b1) * x, mx),
-            state.mu,
-            mean,
-            _checks.apply_mask(mask, mean),
-        )
-        nu = jax.tree.map(
-            lambda v, x: jnp.where(warmup, b2 * v + (1 - b2) * jnp.square(x), v), state.nu, mean
-        )
-        direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
-        if params is not None:
-            direction = jax.tree.map(lambda d, x: d + weight_decay * x, direction, params)
-        if learning_rate is not None:
-            lr = _checks.evaluate(learning_rate, state.count)
-            direction = jax.tree.map(lambda d: -lr * d, direction)
+        carry = (grads, state.mu, state.nu, state.comm, jnp.ones([], bool))
+        carry = _checks.run_if(warmup, full_precision, carry, like=grads)
+        carry = _checks.run_if(jnp.logical_not(warmup), compressed, carry, like=grads)
+        _, mu, nu, comm, finite = carry
+        lr = None if learning_rate is None else _checks.evaluate(learning_rate, state.count)
         out_dtypes = jax.tree.map(lambda x: x.dtype, params if params is not None else updates)
-        direction = jax.tree.map(
-            lambda d, t: jnp.where(finite, d, 0).astype(t), direction, out_dtypes
-        )
-        updated = OnebitAdamState(
-            optax.safe_increment(state.count), mu, nu, comm, state.skipped_updates
-        )
-        new_state = _checks.where_tree(finite, updated, state)._replace(
-            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32)
+
+        def output(m: Any, v: Any, x: Any, dtype: Any) -> Any:
+            d = m / (jnp.sqrt(v) + eps)
+            if x is not None:
+                d = d + weight_decay * x
+            if lr is not None:
+                d = -lr * d
+            return jnp.where(finite, d, 0).astype(dtype)  # a skipped step moves nothing
+
+        xs = params if params is not None else jax.tree.map(lambda _: None, mu)
+        direction = jax.tree.map(output, mu, nu, xs, out_dtypes, is_leaf=lambda x: x is None)
+        new_state = OnebitAdamState(
+            jnp.where(finite, optax.safe_increment(state.count), state.count),
+            mu,
+            nu,
+            comm,
+            state.skipped_updates + (~finite).astype(jnp.int32),
         )
         return direction, new_state
 

@@ -252,7 +252,7 @@ def _power_of_two(exponent: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.int32), jnp.float32)
 
 
-def compressed_mean(tree: Any, worker_error: Any, axis_name: str) -> tuple[Any, Any]:
+def compressed_mean(tree: Any, worker_error: Any, axis_name: str) -> tuple[Any, Any, jax.Array]:
     """One call of the psum backend (see the module docstring for the maths).
 
     Must be called where ``axis_name`` is bound, with ``2 <= N <= 255`` workers and error buffers
@@ -264,9 +264,10 @@ def compressed_mean(tree: Any, worker_error: Any, axis_name: str) -> tuple[Any, 
       axis_name: the worker axis.
 
     Returns:
-      ``(mean, new_worker_error)``: the compressed mean (a tree like ``tree``, its dtypes; the
-      leaves derive from the psum only, so they are typed as replicated under ``shard_map``)
-      and the new errors.
+      ``(mean, new_worker_error, finite)``: the compressed mean (a tree like ``tree``, its
+      dtypes; the leaves derive from the psum only, so they are typed as replicated under
+      ``shard_map``), the new errors, and whether every shared scale is finite (identical on
+      every worker).
     """
     num_workers = lax.axis_size(axis_name)
     check_num_workers(num_workers)
@@ -274,7 +275,7 @@ def compressed_mean(tree: Any, worker_error: Any, axis_name: str) -> tuple[Any, 
     errors = jax.tree.leaves(worker_error)
     live = [i for i, leaf in enumerate(leaves) if leaf.size > 0]
     if not live:
-        return tree, worker_error
+        return tree, worker_error, jnp.ones([], bool)
 
     inputs, signs, scales = {}, [], []
     for i in live:
@@ -299,4 +300,5 @@ def compressed_mean(tree: Any, worker_error: Any, axis_name: str) -> tuple[Any, 
         level = (2 * count - num_workers).astype(dtype) / num_workers  # exact integer, 1 rounding
         outputs[i] = (scale * level).reshape(leaf.shape).astype(leaf.dtype)
         new_errors[i] = inputs[i] - jnp.where(sign, scale, -scale)
-    return jax.tree.unflatten(treedef, outputs), jax.tree.unflatten(treedef, new_errors)
+    finite = jnp.all(jnp.isfinite(shared))
+    return jax.tree.unflatten(treedef, outputs), jax.tree.unflatten(treedef, new_errors), finite

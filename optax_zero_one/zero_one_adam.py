@@ -11,8 +11,9 @@ local      ``k > F``, otherwise    none
 sync       ``k > F``, policy says  1-bit compressed mean of the accumulated update
 ========== ======================= =====================================================
 
-Only the communication sits in a ``lax.switch`` (an untaken branch sends nothing); the moment
-and parameter arithmetic of all kinds is elementwise and fused by XLA around it.
+The kinds that communicate each run in a loop of zero or one trip, so an untaken kind sends
+nothing and costs nothing (no buffer is copied through it, as a ``lax.cond`` would); the moment
+and parameter arithmetic of all kinds is one elementwise pass after them, fused by XLA.
 """
 
 from __future__ import annotations
@@ -220,37 +221,6 @@ def scale_by_zero_one_adam(
             dropped_local_grads=jnp.zeros([], jnp.int32),
         )
 
-    def communicate(kind: jax.Array, grads: Any, accumulator: Any, nu: Any, comm: Any, k: Any):
-        # Only what differs between kinds goes through the switch.
-        # Each returns (mean, comm, finite); a non-finite mean keeps the old error buffers.
-        def reset_if_freezing(c: Any) -> Any:
-            return _checks.where_tree(k == freeze, jax.tree.map(jnp.zeros_like, c), c)
-
-        def checked(mean: Any, new: Any, old: Any) -> Any:
-            finite = _checks.all_finite(mean)
-            return mean, _checks.where_tree(finite, new, old), finite
-
-        def variance(g: Any, u: Any, v: Any, c: Any) -> Any:
-            return checked(collective_lib.float_mean(g, axis_name), reset_if_freezing(c), c)
-
-        def compressed(g: Any, u: Any, v: Any, c: Any) -> Any:
-            mean, new = collective_lib.compressed_mean(g, c, axis_name, collective)
-            return checked(mean, reset_if_freezing(new), c)
-
-        def local(g: Any, u: Any, v: Any, c: Any) -> Any:
-            leaves = jax.tree.leaves(g)
-            finite = jnp.ones([], bool)
-            if leaves:  # typed per-worker like the other branches' flags
-                finite = collective_lib.vary_like(finite, leaves[0])
-            return g, c, finite
-
-        def sync(g: Any, u: Any, v: Any, c: Any) -> Any:
-            payload = sync_payload(u, v, eps)
-            return checked(*collective_lib.compressed_mean(payload, c, axis_name, collective), c)
-
-        branches = (variance, compressed, local, sync)
-        return _checks.switch(kind, branches, grads, accumulator, nu, comm)
-
     def update_fn(
         updates: optax.Updates,
         state: ZeroOneAdamState,
@@ -273,59 +243,126 @@ def scale_by_zero_one_adam(
         k = state.count + 1
         lr = _checks.evaluate(learning_rate, state.count)
         kind = step_kind(state, variance_policy, local_step_policy)
-        phase_a, var_step, sync = k <= freeze, kind == VARIANCE, kind == SYNC
+        phase_a = k <= freeze
+        is_local, is_sync = kind == LOCAL, kind == SYNC
+        lr_sum = state.lr_sum + lr  # phase B: the interval's learning rates, this step's too
 
-        # Phase B's local step, computed on every step (elementwise; fused by XLA). A
-        # non-finite gradient at a local step is dropped on its worker (see the docstring).
-        drop = (kind == LOCAL) & ~_checks.all_finite(grads)
-        local_grads = _checks.where_tree(drop, jax.tree.map(jnp.zeros_like, grads), grads)
-        mu_local, direction = local_step(
-            state.mu, state.nu, local_grads, params, lr, b1, eps, weight_decay
+        # The step kinds that communicate each run in a loop of zero or one trip
+        # (`_checks.run_if`): a kind that does not run costs nothing, and the buffers it would
+        # update stay in place. Each leaves its new moments in (m, v) (a non-finite mean
+        # leaves them as they were); a sync also leaves its parameter update in u. The local
+        # step and the parameter update of every kind are then one elementwise pass.
+        def reset_at_freeze(ok: jax.Array, comm: Any, like: Any) -> Any:
+            zeros = lambda c: jax.tree.map(jnp.zeros_like, c)  # noqa: E731
+            return _checks.run_if(ok & (k == freeze), zeros, comm, like=like)
+
+        def adam_moment(ok: jax.Array, mu: Any, mean: Any) -> Any:
+            return jax.tree.map(lambda m, x: jnp.where(ok, b1 * m + (1 - b1) * x, m), mu, mean)
+
+        def variance(c: _Carry) -> _Carry:
+            mean = collective_lib.float_mean(c.g, axis_name)
+            ok = _checks.all_finite(mean)
+            nu = jax.tree.map(
+                lambda v, x: jnp.where(ok, b2 * v + (1 - b2) * jnp.square(x), v), c.nu, mean
+            )
+            comm = reset_at_freeze(ok, c.comm, c.g)
+            return c._replace(mu=adam_moment(ok, c.mu, mean), nu=nu, comm=comm, finite=ok)
+
+        def compressed(c: _Carry) -> _Carry:
+            mean, comm, ok = collective_lib.checked_mean(c.g, c.comm, axis_name, collective)
+            mu = adam_moment(ok, c.mu, _checks.apply_mask(mask, mean))
+            return c._replace(mu=mu, comm=reset_at_freeze(ok, comm, c.g), finite=ok)
+
+        def sync(c: _Carry) -> _Carry:
+            _, direction = local_step(c.mu, c.nu, c.g, c.x, lr, b1, eps, weight_decay)
+            accumulator = jax.tree.map(lambda u, d: u + lr * d, c.u, direction)
+            payload = sync_payload(accumulator, c.nu, eps)
+            mean, comm, ok = collective_lib.checked_mean(payload, c.comm, axis_name, collective)
+            mu, delta = sync_step(c.u, _checks.apply_mask(mask, mean), c.nu, lr_sum, eps)
+            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+            mu, u = jax.tree.map(keep, mu, c.mu), jax.tree.map(keep, delta, c.u)
+            return c._replace(mu=mu, u=u, comm=comm, finite=ok)
+
+        def check_local(c: _Carry) -> _Carry:  # a non-finite local gradient is dropped
+            return c._replace(drop=~_checks.all_finite(c.g))
+
+        finite, drop = jnp.ones([], bool), jnp.zeros([], bool)
+        # The sync reads x only for weight decay. A buffer in a loop's carry that the caller
+        # also reads afterwards (apply_updates reads the params) is copied on every call when
+        # it is donated, so the params join the carry only when needed.
+        no_decay = _checks.is_static_number(weight_decay) and weight_decay == 0
+        x = None if no_decay else params
+        carry = _Carry(grads, state.mu, state.nu, state.accumulator, x, state.comm, finite, drop)
+        runs = ((VARIANCE, variance), (COMPRESSED, compressed), (SYNC, sync), (LOCAL, check_local))
+        for index, run in runs:
+            carry = _checks.run_if(kind == index, run, carry, like=grads)
+        finite, drop = carry.finite, carry.drop
+
+        def local_and_update(g: Any, m: Any, v: Any, u: Any, x: Any, dtype: Any) -> Any:
+            """One element's final ``m``, ``u`` and parameter update, for every kind.
+
+            A local step takes Adam's moment of the local gradient (zero if dropped) and adds
+            ``lr d`` to ``u``; every kind but sync moves by ``-lr d``, ``d = m / (sqrt(v) + eps)
+            + wd x``; a sync moves by what its loop left in ``u`` and resets ``u``.
+            """
+            m = jnp.where(is_local, b1 * m + (1 - b1) * jnp.where(drop, 0.0, g), m)
+            d = m / (jnp.sqrt(v) + eps)
+            if x is not None:
+                d = d + weight_decay * x.astype(m.dtype)
+            delta = jnp.where(finite, jnp.where(is_sync, u, -lr * d), 0.0)  # skipped: no move
+            u = jnp.where(is_local, u + lr * d, jnp.where(is_sync & finite, 0.0, u))
+            return m, u, delta.astype(dtype)
+
+        xs = jax.tree.map(lambda _: None, state.mu) if x is None else carry.x
+        out = jax.tree.map(
+            local_and_update,
+            carry.g,
+            carry.mu,
+            carry.nu,
+            carry.u,
+            xs,
+            out_dtypes,
+            is_leaf=lambda x: x is None,
         )
-        accumulator = jax.tree.map(lambda u, d: u + lr * d, state.accumulator, direction)
-        lr_sum = state.lr_sum + lr
+        pick = lambda i: jax.tree.map(lambda _, o: o[i], state.mu, out)  # noqa: E731
+        mu, accumulator, delta = pick(0), pick(1), pick(2)
 
-        mean, comm, finite = communicate(kind, grads, accumulator, state.nu, state.comm, k)
-        masked = _checks.apply_mask(mask, mean)
+        def scalar(old: jax.Array, new: jax.Array) -> jax.Array:
+            return jnp.where(finite, new, old)
 
-        # Phase A: Adam moments of the (float or compressed) mean gradient.
-        g_a = _checks.where_tree(var_step, mean, masked)
-        mu_a = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, g_a)
-        nu = jax.tree.map(
-            lambda v, g: jnp.where(var_step, b2 * v + (1 - b2) * jnp.square(g), v), state.nu, g_a
+        lr_sum_new = jnp.where(phase_a, state.lr_sum, jnp.where(is_sync, 0.0, lr_sum))
+        variance_state = _advance(phase_a, variance_policy, state.variance_policy, k)
+        local_state = _advance(
+            jnp.logical_not(phase_a), local_step_policy, state.local_step_policy, k
         )
-        delta_a = jax.tree.map(lambda m, v: -lr * (m / (jnp.sqrt(v) + eps)), mu_a, nu)
-        if params is not None:
-            delta_a = jax.tree.map(lambda d, x: d - lr * weight_decay * x, delta_a, params)
-
-        # Phase B: local step, or sync.
-        mu_sync, delta_sync = sync_step(state.accumulator, masked, state.nu, lr_sum, eps)
-        delta_local = jax.tree.map(lambda d: -lr * d, direction)
-
-        def pick(a: Any, synced: Any, local: Any) -> Any:
-            return _checks.where_tree(phase_a, a, _checks.where_tree(sync, synced, local))
-
-        zeros = jax.tree.map(jnp.zeros_like, state.accumulator)
-        updated = ZeroOneAdamState(
-            count=optax.safe_increment(state.count),
-            variance_policy=_advance(phase_a, variance_policy, state.variance_policy, k),
-            local_step_policy=_advance(~phase_a, local_step_policy, state.local_step_policy, k),
-            mu=pick(mu_a, mu_sync, mu_local),
-            nu=nu,
-            accumulator=pick(state.accumulator, zeros, accumulator),
-            lr_sum=pick(state.lr_sum, jnp.zeros_like(lr_sum), lr_sum),
-            comm=comm,
-            skipped_updates=state.skipped_updates,
+        new_state = ZeroOneAdamState(
+            count=scalar(state.count, optax.safe_increment(state.count)),
+            variance_policy=jax.tree.map(scalar, state.variance_policy, variance_state),
+            local_step_policy=jax.tree.map(scalar, state.local_step_policy, local_state),
+            mu=mu,
+            nu=carry.nu,
+            accumulator=accumulator,
+            lr_sum=scalar(state.lr_sum, lr_sum_new).astype(state.lr_sum.dtype),
+            comm=carry.comm,
+            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
             dropped_local_grads=state.dropped_local_grads + drop.astype(jnp.int32),
         )
-        # A skipped step leaves everything as it was, except the count of skipped steps.
-        new_state = _checks.where_tree(finite, updated, state)._replace(
-            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32)
-        )
-        delta = _checks.where_tree(finite, pick(delta_a, delta_sync, delta_local), zeros)
-        return jax.tree.map(lambda d, t: d.astype(t), delta, out_dtypes), new_state
+        return delta, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class _Carry(NamedTuple):
+    """What the step kinds' loops read and update (see ``update_fn``)."""
+
+    g: Any  # the local gradient (read only)
+    mu: Any
+    nu: Any
+    u: Any  # the accumulator; after a sync, the sync's parameter update
+    x: Any  # the params (or None; read only)
+    comm: collective_lib.OnebitMeanState
+    finite: jax.Array  # the communicated mean is finite (True at local steps)
+    drop: jax.Array  # local step whose gradient is not finite
 
 
 def _advance(active: jax.Array, policy: Any, state: Any, k: jax.Array) -> Any:

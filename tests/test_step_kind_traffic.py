@@ -132,9 +132,10 @@ def test_onebit_adam_traffic_per_step_kind(k, kind):
         assert_one_bit(stats)
 
 
-def test_unpinned_program_keeps_collectives_in_branches():
-    """With live counters all kinds are in the program, each inside its own switch branch."""
+def test_unpinned_program_keeps_collectives_behind_guards():
+    """With live counters all kinds are in the program, each inside its own loop of zero or one
+    trip (a trip count unknown at compile time), none unconditionally."""
     stats = stats_at(ZERO_ONE, 1, lambda s, f: s)
     assert stats.count("all-reduce") == 1
     assert stats.count("all-to-all") == 2 and stats.count("all-gather") == 2
-    assert all(c.conditional for c in stats.collectives)
+    assert all(c.executions is None and not c.conditional for c in stats.collectives)
