@@ -240,7 +240,9 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
                 loss(ref, eval_x, eval_y),
                 lax.pmax(_rms(jax.tree.leaves(state.comm.worker_error)), AXIS),
                 lax.pmax(_rms(jax.tree.leaves(state.comm.server_error)), AXIS),
-                lax.pmax(_rms(jax.tree.leaves(state.accumulator)), AXIS),
+                lax.pmax(
+                    _rms(jax.tree.leaves(jax.tree.map(jnp.subtract, state.anchor, params))), AXIS
+                ),
                 spread,
                 _rms(jax.tree.leaves(grads)),
             ]
@@ -409,7 +411,7 @@ def markdown(result: dict) -> str:
                         "worker error RMS / gradient RMS (phase A)",
                         "worker_error_rms_over_grad_rms_phase_a",
                     ),
-                    ("accumulator u RMS", "accumulator_rms"),
+                    ("u = anchor - x RMS", "accumulator_rms"),
                 ]
             ),
             "",

@@ -1,16 +1,16 @@
 """Checkpoints of the per-worker state: the worker count they were made for, and an opt-in reset.
 
 Exact resume needs nothing from this module. Save the params and the optimizer state *in the
-worker layout* (every worker's copy: error-feedback buffers, 0/1 Adam's accumulator ``u`` and
-``lr_sum``, counters) with any pytree checkpointer, e.g. Orbax, and restore them against a target
+worker layout* (every worker's copy: error-feedback buffers, 0/1 Adam's anchor and ``lr_sum``,
+counters) with any pytree checkpointer, e.g. Orbax, and restore them against a target
 of the same structure (``jax.tree.map(ocp.utils.to_shape_dtype_struct, (params, opt_state))``):
 the continuation is bitwise identical to the uninterrupted run, at any step, including in the
 middle of a local-step interval and across the variance freeze. (DeepSpeed saves rank 0's state
-only and resets the error buffers and the accumulator on every load.)
+only and resets the error buffers and its accumulator on every load.)
 
 What cannot be restored exactly is a state saved by ``N`` workers onto ``M != N`` workers: each
 worker's error buffers are sized for ``N`` (padding and server chunks) and hold that worker's
-own residual, and during local steps each worker's params and accumulator differ. So:
+own residual, and during local steps each worker's params differ. So:
 
 - :func:`worker_count` reads the worker count of a tree in the worker layout (live arrays,
   ``jax.ShapeDtypeStruct``\\ s, or a checkpoint's metadata such as Orbax's ``item_metadata``);
@@ -98,7 +98,7 @@ def check_worker_count(tree: Any, num_workers: int) -> None:
     if saved != num_workers:
         raise ValueError(
             f"This state was saved by {saved} workers, but this run has {num_workers}. Each "
-            "worker's error-feedback buffers (and 0/1 Adam's local accumulator and params during "
+            "worker's error-feedback buffers (and 0/1 Adam's params during "
             "local steps) belong to that worker and are sized for the worker count, so they "
             f"cannot be split or merged exactly. Resume with {saved} workers for a bitwise-exact "
             "continuation, or opt in to a fresh compression state: restore the checkpoint for "
@@ -119,8 +119,9 @@ def reset_compression(
     The explicit opt-in for restoring onto another number of workers. From the state of ``N``
     workers (restored for ``N``), each of the ``M`` new workers gets::
 
-        params     <- x_0 + u_0    the last synchronised point (x + u is equal on all workers)
-        u, lr_sum  <- 0            0/1 Adam: the local steps since the last sync are dropped
+        params     <- xbar         0/1 Adam: the last synchronised point (its anchor, equal on
+                                   all workers); the local steps since the last sync are dropped
+        lr_sum     <- 0
         m          <- mean_i m_i   0/1 Adam: equal on all workers, except during local steps
         e_w, e_s   <- 0            fresh error buffers, shaped as in ``fresh_state``
         the rest   <- worker 0's   counters, v, other transforms' states: equal on all workers
@@ -169,7 +170,7 @@ def reset_compression(
         if isinstance(node, ZeroOneAdamState):
             return node._replace(
                 mu=jax.tree.map(_worker_mean, full.mu),
-                accumulator=jax.tree.map(np.zeros_like, node.accumulator),
+                anchor=jax.tree.map(lambda p, a: np.asarray(p, a.dtype), params0, node.anchor),
                 lr_sum=np.zeros_like(node.lr_sum),
                 comm=jax.tree.map(np.zeros_like, fresh.comm),
             )

@@ -162,8 +162,10 @@ def scale_by_onebit_adam(
                 d = -lr * d
             return jnp.where(finite, d, 0).astype(dtype)  # a skipped step moves nothing
 
-        xs = params if params is not None else jax.tree.map(lambda _: None, mu)
-        direction = jax.tree.map(output, mu, nu, xs, out_dtypes, is_leaf=lambda x: x is None)
+        if params is None:
+            direction = jax.tree.map(lambda m, v, t: output(m, v, None, t), mu, nu, out_dtypes)
+        else:
+            direction = jax.tree.map(output, mu, nu, params, out_dtypes)
         new_state = OnebitAdamState(
             jnp.where(finite, optax.safe_increment(state.count), state.count),
             mu,

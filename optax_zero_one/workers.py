@@ -43,11 +43,11 @@ def unreplicate(tree: Any, worker: int = 0) -> Any:
 def synchronized_params(params: Any, opt_state: Any) -> Any:
     """The parameters at the last synchronisation point, identical on every worker.
 
-    During 0/1 Adam's local steps each worker's parameters drift apart; ``params + u`` (the
-    accumulator in :class:`~optax_zero_one.ZeroOneAdamState`) is where all workers were at the
-    last sync, equal on every worker up to float rounding. Use it to evaluate, export or
-    checkpoint a model. For other states (1-bit Adam, Adam, phase A) ``u`` is zero or absent
-    and the parameters are returned as they are.
+    During 0/1 Adam's local steps each worker's parameters drift apart; the anchor in
+    :class:`~optax_zero_one.ZeroOneAdamState` is where all workers were at the last sync (in
+    phase A: the parameters after the last step), bitwise equal on every worker. Use it to
+    evaluate, export or checkpoint a model. For other states (1-bit Adam, Adam) the parameters
+    are returned as they are.
 
     Works on one worker's tree inside the mapped context and on the worker layout outside it.
 
@@ -56,7 +56,7 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
       opt_state: the matching optimizer state (may be nested, e.g. inside ``optax.chain``).
 
     Returns:
-      A tree like ``params``.
+      A tree like ``params`` (their dtypes).
     """
     found = [
         s
@@ -67,4 +67,4 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
         return params
     if len(found) > 1:
         raise ValueError("opt_state holds more than one ZeroOneAdamState; pass the one to use.")
-    return jax.tree.map(lambda x, u: (x + u).astype(x.dtype), params, found[0].accumulator)
+    return jax.tree.map(lambda x, a: jnp.asarray(a).astype(x.dtype), params, found[0].anchor)

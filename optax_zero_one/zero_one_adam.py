@@ -40,8 +40,9 @@ class ZeroOneAdamState(NamedTuple):
       local_step_policy: the local-step policy's state (int32 counters, identical on all workers).
       mu: first moment ``m``, float32, like the params.
       nu: second moment ``v``, float32, like the params (frozen after ``var_freeze_step``).
-      accumulator: ``u``, the sum of this worker's updates since the last sync (``x + u`` is the
-        last synchronised point), float32, like the params.
+      anchor: ``xbar``, the last synchronised point (where every worker was after the last
+        sync; in phase A, the params after the last step), float32, like the params. Identical
+        on every worker. ``u = xbar - x`` is the sum of this worker's local updates since.
       lr_sum: float32, the sum of learning rates since the last sync.
       comm: the error-feedback buffers of the compressed mean.
       skipped_updates: int32, communicating steps skipped by every worker together because
@@ -55,7 +56,7 @@ class ZeroOneAdamState(NamedTuple):
     local_step_policy: Any
     mu: optax.Updates
     nu: optax.Updates
-    accumulator: optax.Updates
+    anchor: optax.Updates
     lr_sum: jax.Array
     comm: collective_lib.OnebitMeanState
     skipped_updates: jax.Array
@@ -93,7 +94,7 @@ def local_step(
     ``m' = b1 m + (1-b1) g`` with the local gradient and ``d = m' / (sqrt(v) + eps) + wd x``.
 
     Returns:
-      ``(m', d)``; the parameter update is ``-lr * d`` and the accumulator grows by ``lr * d``.
+      ``(m', d)``; the parameter update is ``-lr * d`` (so ``u = xbar - x`` grows by ``lr d``).
     """
     mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, mu, grads)
     direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
@@ -102,32 +103,33 @@ def local_step(
     return mu, direction
 
 
-def sync_payload(accumulator: Any, nu: Any, eps: float) -> Any:
-    """What a sync step communicates: ``w = u * (sqrt(v) + eps)``, the interval's momentum sum
-    weighted by the learning rates (linear in ``m`` because ``v`` is frozen)."""
-    return jax.tree.map(lambda u, v: u * (jnp.sqrt(v) + eps), accumulator, nu)
+def sync_payload(accumulated: Any, nu: Any, eps: float) -> Any:
+    """What a sync step communicates: ``w = u * (sqrt(v) + eps)`` with ``u = xbar - x`` the
+    interval's local updates, i.e. its momentum sum weighted by the learning rates (linear in
+    ``m`` because ``v`` is frozen)."""
+    return jax.tree.map(lambda u, v: u * (jnp.sqrt(v) + eps), accumulated, nu)
 
 
 def sync_step(
-    accumulator: Any, mean_payload: Any, nu: Any, lr_sum: jax.Array, eps: float
+    anchor: Any, mean_payload: Any, nu: Any, lr_sum: jax.Array, eps: float
 ) -> tuple[Any, Any]:
     """Finishes a sync step given the (compressed) mean ``what`` of :func:`sync_payload`.
 
-    Every worker returns to its last synchronised point and takes the averaged step::
+    Every worker returns to the last synchronised point and takes the averaged step::
 
-        x <- x + u - what / (sqrt(v) + eps)     m <- what / lrs
+        xbar <- xbar - what / (sqrt(v) + eps)     x <- xbar     m <- what / lrs
 
     (``m <- 0`` if the learning rates of the interval sum to zero, so that ``m`` stays finite and
     identical on every worker.)
 
     Returns:
-      ``(m, delta)``: the new momentum and the parameter update ``u - what / (sqrt(v) + eps)``.
+      ``(m, xbar)``: the new momentum and the new synchronised point, identical on every worker.
     """
     positive = lr_sum > 0
     inverse = jnp.where(positive, 1.0 / jnp.where(positive, lr_sum, 1.0), 0.0)
     mu = jax.tree.map(lambda w: w * inverse, mean_payload)
-    delta = jax.tree.map(lambda u, w, v: u - w / (jnp.sqrt(v) + eps), accumulator, mean_payload, nu)
-    return mu, delta
+    anchor = jax.tree.map(lambda a, w, v: a - w / (jnp.sqrt(v) + eps), anchor, mean_payload, nu)
+    return mu, anchor
 
 
 def scale_by_zero_one_adam(
@@ -150,11 +152,22 @@ def scale_by_zero_one_adam(
 
         phase A (k <= F):  variance step:   gbar = mean_i g_i;  m, v <- Adam moments of gbar
                            compressed step: m <- b1 m + (1-b1) mask * C(g_i);  v unchanged
-                           x <- x - lr_k (m / (sqrt(v) + eps) + wd x)
+                           x <- x - lr_k (m / (sqrt(v) + eps) + wd x);  xbar <- x
         phase B (k > F):   m <- b1 m + (1-b1) g_i;  d = m / (sqrt(v) + eps) + wd x
-                           x <- x - lr_k d;  u <- u + lr_k d;  lrs <- lrs + lr_k
-                   sync:   what = mask * C(u (sqrt(v) + eps));  m <- what / lrs
-                           x <- x + u - what / (sqrt(v) + eps);  u, lrs <- 0
+                           x <- x - lr_k d;  lrs <- lrs + lr_k
+                   sync:   u = xbar - x;  what = mask * C(u (sqrt(v) + eps));  m <- what / lrs
+                           xbar <- xbar - what / (sqrt(v) + eps);  x <- xbar;  lrs <- 0
+
+    ``xbar`` (the state's ``anchor``) is the last synchronised point, so ``u = xbar - x`` is
+    ``ALGORITHM.md``'s accumulator: the sum of the interval's local updates ``lr_k d`` as
+    applied to ``x``. Keeping ``xbar`` rather than ``u`` has two reasons: a local step writes
+    nothing but ``m`` and the update (it costs about what an Adam step does), and after a sync
+    every worker's params are ``xbar`` rounded to their dtype, so the workers' copies cannot
+    drift apart over many intervals (with ``x <- x + u - ...`` each worker's own rounding of
+    ``x`` during the interval stayed, and bfloat16 params drifted ~46 ulps apart in 2,000
+    steps). The price: with low-precision params, updates smaller than the params' resolution
+    are lost during local steps (as in any training on bfloat16 params); keep float32 params
+    (e.g. a float32 master copy) where that matters.
 
     No bias correction. The compression error buffers are reset at the end of step ``F``.
     Pass each worker's *local* gradient: the optimizer does the averaging.
@@ -162,7 +175,7 @@ def scale_by_zero_one_adam(
     Non-finite gradients: if any worker's gradient holds a NaN or Inf at a communicating step
     (variance, compressed or sync), the mean is non-finite on every worker (NaN and Inf survive
     the float all-reduce and poison the compressed scales), so every worker sees it and skips
-    the update together: params, moments, accumulator, error buffers and counters stay as they
+    the update together: params, moments, anchor, error buffers and counters stay as they
     were (the step is retried with the next gradient) and ``skipped_updates`` grows by one. No
     flag travels: the check reads the mean that was communicated anyway. At a local step a
     worker whose gradient is not finite uses zero instead (its momentum decays, the clock and
@@ -186,7 +199,7 @@ def scale_by_zero_one_adam(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`ZeroOneAdamState`;
-      ``update`` needs ``params`` when ``weight_decay != 0``.
+      ``update`` needs ``params``.
 
     References:
       Lu et al., Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam,
@@ -214,7 +227,9 @@ def scale_by_zero_one_adam(
             local_step_policy=_checks.as_int32_state(local_step_policy.init()),
             mu=_checks.float32_like(params),
             nu=_checks.float32_like(params),
-            accumulator=_checks.float32_like(params),
+            anchor=jax.tree.map(
+                lambda p: jnp.array(p, jnp.promote_types(p.dtype, jnp.float32), copy=True), params
+            ),
             lr_sum=jnp.zeros([], jnp.float32),
             comm=collective_lib.init_errors(params, n, collective),
             skipped_updates=jnp.zeros([], jnp.int32),
@@ -230,14 +245,16 @@ def scale_by_zero_one_adam(
         del extra_args
         _checks.check_state_type(state, ZeroOneAdamState, "zero_one_adam")
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
-        if params is not None:
-            _checks.check_tree_matches(params, state.mu, "params", "the optimizer state")
-        elif not (_checks.is_static_number(weight_decay) and weight_decay == 0):
-            raise ValueError("zero_one_adam with weight_decay needs params: update(g, s, params).")
+        if params is None and jax.tree.leaves(updates):  # (an empty tree needs none)
+            raise ValueError(
+                "zero_one_adam's update needs the params: update(grads, state, params). A sync "
+                "step sends x's distance to the last synchronised point."
+            )
+        _checks.check_tree_matches(params, state.mu, "params", "the optimizer state")
         if num_workers is not None:
             collective_lib.resolve_num_workers(axis_name, num_workers)
         collective_lib.axis_size(axis_name)  # clear error if the axis is unbound
-        out_dtypes = jax.tree.map(lambda x: x.dtype, params if params is not None else updates)
+        out_dtypes = jax.tree.map(lambda x: x.dtype, params)
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
 
         k = state.count + 1
@@ -246,12 +263,22 @@ def scale_by_zero_one_adam(
         phase_a = k <= freeze
         is_local, is_sync = kind == LOCAL, kind == SYNC
         lr_sum = state.lr_sum + lr  # phase B: the interval's learning rates, this step's too
+        decay = not (_checks.is_static_number(weight_decay) and weight_decay == 0)
 
-        # The step kinds that communicate each run in a loop of zero or one trip
-        # (`_checks.run_if`): a kind that does not run costs nothing, and the buffers it would
-        # update stay in place. Each leaves its new moments in (m, v) (a non-finite mean
-        # leaves them as they were); a sync also leaves its parameter update in u. The local
-        # step and the parameter update of every kind are then one elementwise pass.
+        def direction(m: Any, v: Any, x: Any) -> Any:
+            d = m / (jnp.sqrt(v) + eps)
+            return d + weight_decay * x.astype(d.dtype) if decay else d
+
+        # Kinds that communicate or need more than the local step run in loops of zero or one
+        # trip (`_checks.run_if`): a kind that does not run costs nothing and its buffers stay
+        # in place. Every buffer a loop reads travels in its carry (one read from outside would
+        # be copied in on every call). In order:
+        # 1. variance / compressed: the new moments (m, v) of the float or compressed mean;
+        # 2. one elementwise pass for every kind: a local step's m and update -lr d; the other
+        #    kinds leave x itself in `out` for the loops after it;
+        # 3. sync: back to the anchor and the averaged step (m, anchor and the update);
+        # 4. phase A: the update -lr d, and the anchor follows x.
+        # A non-finite mean leaves everything as it was (update 0).
         def reset_at_freeze(ok: jax.Array, comm: Any, like: Any) -> Any:
             zeros = lambda c: jax.tree.map(jnp.zeros_like, c)  # noqa: E731
             return _checks.run_if(ok & (k == freeze), zeros, comm, like=like)
@@ -273,59 +300,58 @@ def scale_by_zero_one_adam(
             mu = adam_moment(ok, c.mu, _checks.apply_mask(mask, mean))
             return c._replace(mu=mu, comm=reset_at_freeze(ok, comm, c.g), finite=ok)
 
-        def sync(c: _Carry) -> _Carry:
-            _, direction = local_step(c.mu, c.nu, c.g, c.x, lr, b1, eps, weight_decay)
-            accumulator = jax.tree.map(lambda u, d: u + lr * d, c.u, direction)
-            payload = sync_payload(accumulator, c.nu, eps)
-            mean, comm, ok = collective_lib.checked_mean(payload, c.comm, axis_name, collective)
-            mu, delta = sync_step(c.u, _checks.apply_mask(mask, mean), c.nu, lr_sum, eps)
-            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-            mu, u = jax.tree.map(keep, mu, c.mu), jax.tree.map(keep, delta, c.u)
-            return c._replace(mu=mu, u=u, comm=comm, finite=ok)
-
         def check_local(c: _Carry) -> _Carry:  # a non-finite local gradient is dropped
             return c._replace(drop=~_checks.all_finite(c.g))
 
         finite, drop = jnp.ones([], bool), jnp.zeros([], bool)
-        # The sync reads x only for weight decay. A buffer in a loop's carry that the caller
-        # also reads afterwards (apply_updates reads the params) is copied on every call when
-        # it is donated, so the params join the carry only when needed.
-        no_decay = _checks.is_static_number(weight_decay) and weight_decay == 0
-        x = None if no_decay else params
-        carry = _Carry(grads, state.mu, state.nu, state.accumulator, x, state.comm, finite, drop)
-        runs = ((VARIANCE, variance), (COMPRESSED, compressed), (SYNC, sync), (LOCAL, check_local))
-        for index, run in runs:
-            carry = _checks.run_if(kind == index, run, carry, like=grads)
-        finite, drop = carry.finite, carry.drop
+        zeros = jax.tree.map(lambda m: jnp.zeros((0,), m.dtype), state.mu)  # `out` comes in 2.
+        c = _Carry(grads, state.mu, state.nu, state.anchor, zeros, state.comm, finite, drop)
+        for index, run in ((VARIANCE, variance), (COMPRESSED, compressed), (LOCAL, check_local)):
+            c = _checks.run_if(kind == index, run, c, like=grads)
 
-        def local_and_update(g: Any, m: Any, v: Any, u: Any, x: Any, dtype: Any) -> Any:
-            """One element's final ``m``, ``u`` and parameter update, for every kind.
+        def local_pass(g: Any, m: Any, v: Any, x: Any) -> Any:
+            m_local = b1 * m + (1 - b1) * jnp.where(c.drop, 0.0, g)
+            m = jnp.where(is_local, m_local, m)
+            out = jnp.where(is_local, -lr * direction(m, v, x), x.astype(m.dtype))
+            return m, out
 
-            A local step takes Adam's moment of the local gradient (zero if dropped) and adds
-            ``lr d`` to ``u``; every kind but sync moves by ``-lr d``, ``d = m / (sqrt(v) + eps)
-            + wd x``; a sync moves by what its loop left in ``u`` and resets ``u``.
-            """
-            m = jnp.where(is_local, b1 * m + (1 - b1) * jnp.where(drop, 0.0, g), m)
-            d = m / (jnp.sqrt(v) + eps)
-            if x is not None:
-                d = d + weight_decay * x.astype(m.dtype)
-            delta = jnp.where(finite, jnp.where(is_sync, u, -lr * d), 0.0)  # skipped: no move
-            u = jnp.where(is_local, u + lr * d, jnp.where(is_sync & finite, 0.0, u))
-            return m, u, delta.astype(dtype)
+        passed = jax.tree.map(local_pass, c.g, c.mu, c.nu, params)
+        pick = lambda i: jax.tree.map(lambda _, o: o[i], state.mu, passed)  # noqa: E731
+        c = c._replace(mu=pick(0), out=pick(1))
 
-        xs = jax.tree.map(lambda _: None, state.mu) if x is None else carry.x
-        out = jax.tree.map(
-            local_and_update,
-            carry.g,
-            carry.mu,
-            carry.nu,
-            carry.u,
-            xs,
-            out_dtypes,
-            is_leaf=lambda x: x is None,
-        )
-        pick = lambda i: jax.tree.map(lambda _, o: o[i], state.mu, out)  # noqa: E731
-        mu, accumulator, delta = pick(0), pick(1), pick(2)
+        def sync(c: _Carry) -> _Carry:
+            x = c.out  # the params, left by the local pass
+            _, d = local_step(c.mu, c.nu, c.g, x if decay else None, lr, b1, eps, weight_decay)
+            accumulated = jax.tree.map(lambda a, x, d: a - (x - lr * d), c.anchor, x, d)
+            payload = sync_payload(accumulated, c.nu, eps)
+            mean, comm, ok = collective_lib.checked_mean(payload, c.comm, axis_name, collective)
+            mu, anchor = sync_step(c.anchor, _checks.apply_mask(mask, mean), c.nu, lr_sum, eps)
+            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+            update = jax.tree.map(lambda a, x: jnp.where(ok, a - x, 0.0), anchor, x)
+            return c._replace(
+                mu=jax.tree.map(keep, mu, c.mu),
+                anchor=jax.tree.map(keep, anchor, c.anchor),
+                out=update,
+                comm=comm,
+                finite=ok,
+            )
+
+        def phase_a_update(c: _Carry) -> _Carry:
+            def leaf(m: Any, v: Any, x: Any, dtype: Any) -> Any:
+                update = jnp.where(c.finite, -lr * direction(m, v, x), 0.0)
+                # x + update exactly as optax.apply_updates will compute it: the max (exact) keeps
+                # LLVM from contracting the multiply and the add into an FMA here.
+                applied = jnp.maximum(update.astype(dtype), jnp.finfo(dtype).min)
+                return update, (x.astype(dtype) + applied).astype(x.dtype)
+
+            both = jax.tree.map(leaf, c.mu, c.nu, c.out, out_dtypes)
+            take = lambda i: jax.tree.map(lambda _, o: o[i], state.mu, both)  # noqa: E731
+            return c._replace(out=take(0), anchor=take(1))
+
+        c = _checks.run_if(is_sync, sync, c, like=grads)
+        c = _checks.run_if(phase_a, phase_a_update, c, like=grads)
+        finite, drop = c.finite, c.drop
+        delta = jax.tree.map(lambda d, t: d.astype(t), c.out, out_dtypes)
 
         def scalar(old: jax.Array, new: jax.Array) -> jax.Array:
             return jnp.where(finite, new, old)
@@ -339,11 +365,11 @@ def scale_by_zero_one_adam(
             count=scalar(state.count, optax.safe_increment(state.count)),
             variance_policy=jax.tree.map(scalar, state.variance_policy, variance_state),
             local_step_policy=jax.tree.map(scalar, state.local_step_policy, local_state),
-            mu=mu,
-            nu=carry.nu,
-            accumulator=accumulator,
+            mu=c.mu,
+            nu=c.nu,
+            anchor=c.anchor,
             lr_sum=scalar(state.lr_sum, lr_sum_new).astype(state.lr_sum.dtype),
-            comm=carry.comm,
+            comm=c.comm,
             skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
             dropped_local_grads=state.dropped_local_grads + drop.astype(jnp.int32),
         )
@@ -358,8 +384,8 @@ class _Carry(NamedTuple):
     g: Any  # the local gradient (read only)
     mu: Any
     nu: Any
-    u: Any  # the accumulator; after a sync, the sync's parameter update
-    x: Any  # the params (or None; read only)
+    anchor: Any
+    out: Any  # after the local pass: the update, or the params for the loops after it
     comm: collective_lib.OnebitMeanState
     finite: jax.Array  # the communicated mean is finite (True at local steps)
     drop: jax.Array  # local step whose gradient is not finite

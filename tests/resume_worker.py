@@ -172,7 +172,8 @@ def train(
         variance = ozo.VarianceDoubling(SCHEDULE["var_freeze_step"], SCHEDULE["var_update_scaler"])
         local = ozo.LocalStepDoubling(SCHEDULE["local_step_scaler"], SCHEDULE["local_step_clipper"])
         kind = ozo.STEP_KINDS[int(ozo.step_kind(one, variance, local))]
-        moved = any(np.any(u != 0) for u in jax.tree.leaves(one.accumulator))
+        x = ozo.unreplicate(params)
+        moved = any(np.any(a != p) for a, p in zip(jax.tree.leaves(one.anchor), jax.tree.leaves(x)))
         print(
             f"restored {start} {digest((params, state))} {kind} {int(moved)}", file=out, flush=True
         )

@@ -147,6 +147,17 @@ def test_weight_decay_without_params(name):
         per_worker(fn, PARAMS)
 
 
+def test_zero_one_adam_without_params():
+    """A sync sends x's distance to the last synchronised point, so 0/1 Adam needs x always."""
+
+    def fn(p):
+        tx = ozo.zero_one_adam(0.1, axis_name=AXIS)
+        return tx.update(p, tx.init(p))
+
+    with pytest.raises(ValueError, match=r"needs the params: update\(grads, state, params\)"):
+        per_worker(fn, PARAMS)
+
+
 # --- params that cannot be optimised ---------------------------------------------------------
 
 

@@ -2,10 +2,10 @@
 
 To compile one step kind on its own, the state's counters are replaced by Python ints pinned to a
 step of that kind: the step kind is then known at trace time and only its branch is traced, so
-the program holds exactly what that kind executes. (XLA keeps a ``conditional`` with collectives
-even when its index is a constant, so pinning to int32 constants would not do.) With live
-counters the program holds every kind, each in its own branch, and a branch that is not taken
-runs no instruction.
+the program holds exactly what that kind executes. (XLA keeps a loop or ``conditional`` with
+collectives even when its trip count or index is a constant, so pinning to int32 constants would
+not do.) With live counters the program holds every kind, each communicating kind in its own loop
+of zero or one trip, and a kind that is not taken runs no instruction.
 """
 
 import jax

@@ -88,7 +88,8 @@ def test_synchronized_params_identical_on_all_workers_between_syncs(mode):
     assert checked == kinds.count("local")
 
 
-def test_synchronized_params_is_the_identity_without_an_accumulator():
+def test_synchronized_params_are_the_params_outside_local_steps():
+    """1-bit Adam, Adam, and 0/1 Adam in phase A: all workers hold the same params."""
     params = {"w": jnp.arange(6.0).reshape(2, 3)}
     for tx in (
         ozo.onebit_adam(0.1, freeze_step=2),
@@ -96,9 +97,11 @@ def test_synchronized_params_is_the_identity_without_an_accumulator():
         ozo.zero_one_adam(0.1, var_freeze_step=5),
     ):
         state = tx.init(params)
-        _, state = tx.update({"w": jnp.ones((2, 3))}, state, params)
-        out = ozo.synchronized_params(params, state)
-        np.testing.assert_array_equal(out["w"], params["w"])
+        updates, state = tx.update({"w": jnp.ones((2, 3))}, state, params)
+        moved = optax.apply_updates(params, updates)
+        assert not np.array_equal(moved["w"], params["w"])
+        out = ozo.synchronized_params(moved, state)
+        np.testing.assert_array_equal(out["w"], moved["w"])
 
 
 def test_synchronized_params_rejects_two_zero_one_states():
