@@ -19,9 +19,10 @@ step they replace).
 
 Step kinds are timed two ways:
 
-- **live** (default): the user's program. One executable per optimizer with every kind in its
-  ``lax.switch``; each call gets the counters of a step of the wanted kind as scalars shared by
-  the workers (as under ``shard_map``/``pmap``, where the switch is a real conditional).
+- **live** (default): the user's program. One executable per optimizer holding every kind, each
+  communicating kind in its loop of zero or one trip; each call gets the counters of a step of
+  the wanted kind as scalars shared by the workers (as under ``shard_map``/``pmap``, where the
+  trip count is a real run-time value).
 - **pinned** (``--pinned``): the counters are Python ints inside the jitted function, so the
   program holds that kind alone (what an ideal per-kind program would cost). The gap between the
   two is the cost of carrying every kind in one program.
@@ -130,8 +131,8 @@ def make_step(spec: common.OptimizerSpec, pin_step: int | None) -> Callable[...,
 
     ``counters`` (live mode, ``pin_step=None``): scalars shared by all workers that replace the
     state's counters, so the step kind is one traced value as under ``shard_map``/``pmap``
-    (per-worker counters would make ``vmap`` turn ``lax.switch`` into a select that runs every
-    branch). With ``pin_step`` the counters are Python ints and the program holds that kind
+    (per-worker counters would make ``vmap`` turn the kinds' loops into selects). With
+    ``pin_step`` the counters are Python ints and the program holds that kind
     alone.
     """
 
@@ -150,7 +151,7 @@ def make_step(spec: common.OptimizerSpec, pin_step: int | None) -> Callable[...,
 
 
 def hlo_summary(compiled: Any) -> dict[str, Any]:
-    """Instruction counts of an optimised program: copies (and their bytes), conditionals."""
+    """Instruction counts of an optimised program: copies (and their bytes), conditionals, loops."""
     text = compiled.as_text()
     copies = re.findall(r"=\s*(\w+)\[([\d,]*)\][^=]*?\scopy\(", text)
     copy_bytes = sum(
@@ -163,6 +164,7 @@ def hlo_summary(compiled: Any) -> dict[str, Any]:
         "copies": len(copies),
         "copy_bytes": copy_bytes,
         "conditionals": len(re.findall(r"\sconditional\(", text)),
+        "loops": len(re.findall(r"\swhile\(", text)),
     }
 
 
@@ -281,7 +283,7 @@ def measure_size(num_params: int, workers: int, repeats: int, pinned: bool, log:
                 f"x{row['ratio_to_dp_adam']:.2f} pmean+adam)"
                 + ("" if target is None else f"  target <= {target}x")
                 + f"  [{summary['copies']} copies {summary['copy_bytes'] / 1e6:,.0f} MB,"
-                f" {summary['conditionals']} conditionals]"
+                f" {summary['loops']} loops]"
             )
             del params, state
     state_bytes = {}
