@@ -264,7 +264,11 @@ def compile_kind(
 
 
 def _signature(s: KindStats) -> tuple:
-    return tuple((c["kind"], tuple(c["dtypes"]), c["payload_bytes"]) for c in s.collectives)
+    """What must agree between programs of one class: collective kinds and dtypes, launches and
+    bytes. (Not how XLA's combiner splits a payload between launches: that differs between
+    programs sending the same bytes.)"""
+    kinds = tuple(sorted((c["kind"], tuple(c["dtypes"])) for c in s.collectives))
+    return kinds, s.launches, round(s.sent_bytes)
 
 
 class Accountant:
