@@ -10,6 +10,7 @@ steps, then cosine decay to 10% of the peak) and one set of Adam constants:
 - ``adamw``: ``optax.adamw``, gradients averaged by a float32 ``pmean`` (what users run today);
 - ``onebit_adam``: :func:`optax_zero_one.onebit_adam`, local gradients;
 - ``zero_one_adam``: :func:`optax_zero_one.scale_by_zero_one_adam` with the doubling policies.
+- ``zero_one_adam_psum`` (only with ``--optimizers``): the same with ``collective="psum"``.
 
 The papers' policies, scaled to the run length ``T``. DeepSpeed's BERT pre-training configs use
 ``var_freeze_step = freeze_step = 23,000`` (about 15% of a ~150k-step run),
@@ -61,7 +62,8 @@ import optax_zero_one as ozo  # noqa: E402
 from benchmarks import common, workloads  # noqa: E402
 
 NUM_WORKERS = 8
-OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam")
+OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam")  # the default run
+EXTRA = ("zero_one_adam_psum",)  # on request: 0/1 Adam with the psum backend (--optimizers)
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 
 
@@ -138,7 +140,7 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
             **adam,
         )
         return common.onebit_spec(name, tx, variance.freeze_step)
-    if name == "zero_one_adam":
+    if name in ("zero_one_adam", "zero_one_adam_psum"):
         tx = ozo.scale_by_zero_one_adam(
             lr,
             weight_decay=cfg.weight_decay,
@@ -146,10 +148,11 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
             local_step_policy=local,
             axis_name=common.AXIS,
             mask=mask,
+            collective="psum" if name.endswith("_psum") else "two_phase",
             **adam,
         )
         return common.zero_one_spec(name, tx, variance, local)
-    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS + EXTRA}")
 
 
 # Compiled programs, per configuration without its seed (the seed changes data, not programs),
@@ -418,7 +421,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kappa", type=int, help="0/1 Adam's var_update_scaler")
     parser.add_argument("--lr", type=float, help="override the peak learning rate")
-    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    parser.add_argument(
+        "--optimizers", nargs="+", choices=OPTIMIZERS + EXTRA, default=list(OPTIMIZERS)
+    )
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)

@@ -88,19 +88,27 @@ def compress(
 
 
 def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
-    """Sum along ``axis`` by explicit pairwise halving, keeping the axis with size 1.
+    """Sum along ``axis`` in a fixed tree of additions, keeping the axis with size 1.
 
     XLA may order a reduction differently for a batched array (under ``vmap``) than for a single
-    one (under ``shard_map``/``pmap``), and the scales must be bitwise identical whichever way
-    the workers are mapped. Halving with explicit slices fixes the order of every addition (and
-    is more accurate than a sequential sum). Odd lengths are padded with one zero, which is exact.
+    one (under ``shard_map``/``pmap``; seen for 12 of 94 lengths tried), and the scales must be
+    bitwise identical whichever way the workers are mapped. Explicit elementwise additions fix
+    the order of every addition (and are more accurate than a sequential sum). Each level adds
+    eight contiguous blocks in a fixed tree, one elementwise pass that reads the input once;
+    lengths that do not split are padded with zeros, which is exact.
     """
     x = jnp.moveaxis(x, axis, -1)
     while x.shape[-1] > 1:
-        if x.shape[-1] % 2:
-            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
+        ways = 8 if x.shape[-1] >= 64 else 2
+        if x.shape[-1] % ways:
+            pad = ways - x.shape[-1] % ways
+            x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], pad), x.dtype)], axis=-1)
+        block = x.shape[-1] // ways
+        b = [x[..., i * block : (i + 1) * block] for i in range(ways)]
+        if ways == 8:
+            x = ((b[0] + b[4]) + (b[2] + b[6])) + ((b[1] + b[5]) + (b[3] + b[7]))
+        else:
+            x = b[0] + b[1]
     if x.shape[-1] == 0:
         x = jnp.zeros((*x.shape[:-1], 1), x.dtype)
     return jnp.moveaxis(x, -1, axis)

@@ -13,3 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run (CI must not go red on a lucky draw);
+# HYPOTHESIS_PROFILE=explore draws fresh ones, to search for new counterexamples.
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))

@@ -279,7 +279,7 @@ def test_zero_one_adam_follows_its_policies(s, seed):
     # error buffers reset at the end of step F; u = anchor - x back to zero after every sync
     if 1 <= s["freeze"] <= STEPS:
         assert all(not np.any(e[:, s["freeze"] - 1]) for e in jax.tree.leaves(comm))
-    for k in steps_of("sync"):  # every worker lands on the anchor, to float32 rounding of x ~ 1
-        np.testing.assert_allclose(acc[:, k - 1], 0.0, atol=1e-7, err_msg=f"step {k}")
+    for k in steps_of("sync"):  # every worker lands on the anchor (float32 ulps of |x| <~ 2)
+        np.testing.assert_allclose(acc[:, k - 1], 0.0, atol=1e-6, err_msg=f"step {k}")
     # the anchor (the last synchronised point) is bitwise the same on every worker, always
     np.testing.assert_array_equal(anchor, np.broadcast_to(anchor[:1], anchor.shape))

@@ -258,7 +258,10 @@ def test_errors_stay_bounded_over_thousands_of_calls(n, spread, mix, density, se
     # the mechanism of psum_mean's docstring: |e| settles within ~N sqrt(n) of the largest input
     assert errors.max() <= n * math.sqrt(99) * biggest_input
     # and stops growing (some patterns settle slowly, over ~10^4 calls, so allow some rise;
-    # linear growth, e.g. with no scale at all, doubles from the second quarter to the last)
+    # linear growth, e.g. with no scale at all, doubles from the second quarter to the last).
+    # Over 2,000 calls this cannot tell every bounded fluctuation from growth: e.g. n=8,
+    # spread=1, mix=(0, 1, 1), density=0.25, seed=65535 goes 16.5 -> 32.2 here, then stays in
+    # 22-40 (6.3x its largest input) over 40,000 calls. The draws are fixed (conftest.py).
     q = calls // 4
     assert errors[3 * q :].max() <= 1.6 * errors[q : 2 * q].max() + 1e-6 * biggest_input
 
