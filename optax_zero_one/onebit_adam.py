@@ -131,26 +131,31 @@ def scale_by_onebit_adam(
         # through the kind that does not run) and leaves the new moments in (m, v). Everything
         # a loop reads travels in its carry (one read from outside would be copied in).
         def full_precision(carry: Any) -> Any:
-            g, m, v, comm, _ = carry
+            g, m, v, _ = carry
             mean = collective_lib.float_mean(g, axis_name)
             ok = _checks.all_finite(mean)
             m = jax.tree.map(lambda m, x: jnp.where(ok, b1 * m + (1 - b1) * x, m), m, mean)
             v = jax.tree.map(
                 lambda v, x: jnp.where(ok, b2 * v + (1 - b2) * jnp.square(x), v), v, mean
             )
-            return g, m, v, comm, ok
+            return g, m, v, ok
 
         def compressed(carry: Any) -> Any:
-            g, m, v, comm, _ = carry
+            g, m, comm, _ = carry
             local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
             mean, comm, ok = collective_lib.checked_mean(local, comm, axis_name, collective)
             mean = _checks.apply_mask(mask, mean)
-            return g, jax.tree.map(lambda x, m: jnp.where(ok, x, m), mean, m), v, comm, ok
+            return g, jax.tree.map(lambda x, m: jnp.where(ok, x, m), mean, m), comm, ok
 
-        carry = (grads, state.mu, state.nu, state.comm, jnp.ones([], bool))
-        carry = _checks.run_if(warmup, full_precision, carry, like=grads)
-        carry = _checks.run_if(jnp.logical_not(warmup), compressed, carry, like=grads)
-        _, mu, nu, comm, finite = carry
+        # Each loop carries only what its kind reads or writes (a value passed through a loop
+        # unchanged is copied when the loop runs).
+        finite = jnp.ones([], bool)
+        _, mu, nu, finite = _checks.run_if(
+            warmup, full_precision, (grads, state.mu, state.nu, finite), like=grads
+        )
+        _, mu, comm, finite = _checks.run_if(
+            jnp.logical_not(warmup), compressed, (grads, mu, state.comm, finite), like=grads
+        )
         lr = None if learning_rate is None else _checks.evaluate(learning_rate, state.count)
         out_dtypes = jax.tree.map(lambda x: x.dtype, params if params is not None else updates)
 

@@ -306,8 +306,20 @@ def scale_by_zero_one_adam(
         finite, drop = jnp.ones([], bool), jnp.zeros([], bool)
         zeros = jax.tree.map(lambda m: jnp.zeros((0,), m.dtype), state.mu)  # `out` comes in 2.
         c = _Carry(grads, state.mu, state.nu, state.anchor, zeros, state.comm, finite, drop)
-        for index, run in ((VARIANCE, variance), (COMPRESSED, compressed), (LOCAL, check_local)):
-            c = _checks.run_if(kind == index, run, c, like=grads)
+
+        def run(pred: Any, fn: Any, c: _Carry, fields: tuple[str, ...]) -> _Carry:
+            # Only the named fields travel through the loop: everything fn reads or writes
+            # (a field passed through a loop unchanged is copied when the loop runs).
+            def body(values: tuple) -> tuple:
+                out = fn(c._replace(**dict(zip(fields, values))))
+                return tuple(getattr(out, f) for f in fields)
+
+            values = _checks.run_if(pred, body, tuple(getattr(c, f) for f in fields), like=grads)
+            return c._replace(**dict(zip(fields, values)))
+
+        c = run(kind == VARIANCE, variance, c, ("g", "mu", "nu", "comm", "finite"))
+        c = run(kind == COMPRESSED, compressed, c, ("g", "mu", "comm", "finite"))
+        c = run(is_local, check_local, c, ("g", "drop"))
 
         def local_pass(g: Any, m: Any, v: Any, x: Any) -> Any:
             m_local = b1 * m + (1 - b1) * jnp.where(c.drop, 0.0, g)
@@ -348,8 +360,8 @@ def scale_by_zero_one_adam(
             take = lambda i: jax.tree.map(lambda _, o: o[i], state.mu, both)  # noqa: E731
             return c._replace(out=take(0), anchor=take(1))
 
-        c = _checks.run_if(is_sync, sync, c, like=grads)
-        c = _checks.run_if(phase_a, phase_a_update, c, like=grads)
+        c = run(is_sync, sync, c, ("g", "mu", "nu", "anchor", "out", "comm", "finite"))
+        c = run(phase_a, phase_a_update, c, ("mu", "nu", "out", "anchor", "finite"))
         finite, drop = c.finite, c.drop
         delta = jax.tree.map(lambda d, t: d.astype(t), c.out, out_dtypes)
 
