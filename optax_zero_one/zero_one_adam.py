@@ -180,8 +180,8 @@ def scale_by_zero_one_adam(
     flag travels: the check reads the mean that was communicated anyway. At a local step a
     worker whose gradient is not finite uses zero instead (its momentum decays, the clock and
     ``lr_sum`` advance as on the other workers, so the next sync stays consistent) and counts
-    it in ``dropped_local_grads``. A finite gradient so large that its squares overflow float32
-    counts as non-finite.
+    it in ``dropped_local_grads``. A finite local gradient whose sum overflows float32 (entries
+    near 1e38) also counts as non-finite.
 
     Args:
       learning_rate: a float or an ``optax.Schedule`` of the update count.
