@@ -137,6 +137,12 @@ def where_tree(pred: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
+def moving_average(ok: jax.Array, old: Any, new: Any, decay: float) -> Any:
+    """Leafwise ``decay * old + (1 - decay) * new`` where ``ok``, else ``old`` (Adam's moments
+    of a communicated mean, kept as they were when the mean is not finite)."""
+    return jax.tree.map(lambda o, n: jnp.where(ok, decay * o + (1 - decay) * n, o), old, new)
+
+
 def all_static(*values: Any) -> bool:
     """True if every value is a Python/NumPy bool or int (known at trace time)."""
     return all(isinstance(v, bool | int | np.bool_ | np.integer) for v in values)

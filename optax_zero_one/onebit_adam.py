@@ -128,16 +128,15 @@ def scale_by_onebit_adam(
         warmup = state.count + 1 <= freeze_step
 
         # Each kind runs in a loop of zero or one trip (`_checks.run_if`: nothing is copied
-        # through the kind that does not run) and leaves the new moments in (m, v). Everything
-        # a loop reads travels in its carry (one read from outside would be copied in).
+        # through the kind that does not run) and leaves the new moments in (m, v). A loop
+        # carries exactly what its kind reads or writes: a value read from outside would be
+        # copied in on every call, one passed through unchanged is copied when the loop runs.
         def full_precision(carry: Any) -> Any:
             g, m, v, _ = carry
             mean = collective_lib.float_mean(g, axis_name)
             ok = _checks.all_finite(mean)
-            m = jax.tree.map(lambda m, x: jnp.where(ok, b1 * m + (1 - b1) * x, m), m, mean)
-            v = jax.tree.map(
-                lambda v, x: jnp.where(ok, b2 * v + (1 - b2) * jnp.square(x), v), v, mean
-            )
+            m = _checks.moving_average(ok, m, mean, b1)
+            v = _checks.moving_average(ok, v, jax.tree.map(jnp.square, mean), b2)
             return g, m, v, ok
 
         def compressed(carry: Any) -> Any:
@@ -147,8 +146,6 @@ def scale_by_onebit_adam(
             mean = _checks.apply_mask(mask, mean)
             return g, jax.tree.map(lambda x, m: jnp.where(ok, x, m), mean, m), comm, ok
 
-        # Each loop carries only what its kind reads or writes (a value passed through a loop
-        # unchanged is copied when the loop runs).
         finite = jnp.ones([], bool)
         _, mu, nu, finite = _checks.run_if(
             warmup, full_precision, (grads, state.mu, state.nu, finite), like=grads

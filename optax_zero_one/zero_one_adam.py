@@ -283,21 +283,17 @@ def scale_by_zero_one_adam(
             zeros = lambda c: jax.tree.map(jnp.zeros_like, c)  # noqa: E731
             return _checks.run_if(ok & (k == freeze), zeros, comm, like=like)
 
-        def adam_moment(ok: jax.Array, mu: Any, mean: Any) -> Any:
-            return jax.tree.map(lambda m, x: jnp.where(ok, b1 * m + (1 - b1) * x, m), mu, mean)
-
         def variance(c: _Carry) -> _Carry:
             mean = collective_lib.float_mean(c.g, axis_name)
             ok = _checks.all_finite(mean)
-            nu = jax.tree.map(
-                lambda v, x: jnp.where(ok, b2 * v + (1 - b2) * jnp.square(x), v), c.nu, mean
-            )
+            mu = _checks.moving_average(ok, c.mu, mean, b1)
+            nu = _checks.moving_average(ok, c.nu, jax.tree.map(jnp.square, mean), b2)
             comm = reset_at_freeze(ok, c.comm, c.g)
-            return c._replace(mu=adam_moment(ok, c.mu, mean), nu=nu, comm=comm, finite=ok)
+            return c._replace(mu=mu, nu=nu, comm=comm, finite=ok)
 
         def compressed(c: _Carry) -> _Carry:
             mean, comm, ok = collective_lib.checked_mean(c.g, c.comm, axis_name, collective)
-            mu = adam_moment(ok, c.mu, _checks.apply_mask(mask, mean))
+            mu = _checks.moving_average(ok, c.mu, _checks.apply_mask(mask, mean), b1)
             return c._replace(mu=mu, comm=reset_at_freeze(ok, comm, c.g), finite=ok)
 
         def check_local(c: _Carry) -> _Carry:  # a non-finite local gradient is dropped
