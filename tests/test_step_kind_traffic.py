@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from workers_util import AXIS
 
 import optax_zero_one as ozo
+from benchmarks import common
 
 N = 8
 SHAPES = [(64, 32), (32,), (32, 10), (10,)]
@@ -25,23 +26,11 @@ VARIANCE = ozo.VarianceDoubling(freeze_step=10, update_scaler=2)  # variance: 1,
 LOCAL = ozo.LocalStepDoubling(scaler=1, clipper=4)  # syncs 11, 12, 16, 20, ...
 
 
-def policy_states_before(k):
-    """The policies' states before step k, walked in Python."""
-    vs, ls = VARIANCE.init(), LOCAL.init()
-    for step in range(1, k):
-        if step <= VARIANCE.freeze_step:
-            vs = VARIANCE.next(vs, step)
-        else:
-            ls = LOCAL.next(ls, step)
-    return vs, ls
-
-
 def pin(state, k):
     """The state with its counters replaced by Python ints: the update traces one kind only."""
-    vs, ls = policy_states_before(k)
     if isinstance(state, ozo.ZeroOneAdamState):
-        return state._replace(count=k - 1, variance_policy=vs, local_step_policy=ls)
-    return state._replace(count=k - 1)
+        return common.zero_one_spec("0/1 Adam", ZERO_ONE, VARIANCE, LOCAL).pin(state, k)
+    return common.onebit_spec("1-bit Adam", ONEBIT, ONEBIT_FREEZE).pin(state, k)
 
 
 def stats_at(tx, k, inner):
@@ -77,7 +66,8 @@ ZERO_ONE = ozo.zero_one_adam(
     local_step_clipper=LOCAL.clipper,
     axis_name=AXIS,
 )
-ONEBIT = ozo.onebit_adam(1e-3, freeze_step=10, axis_name=AXIS)
+ONEBIT_FREEZE = 10
+ONEBIT = ozo.onebit_adam(1e-3, freeze_step=ONEBIT_FREEZE, axis_name=AXIS)
 
 
 def test_the_pinned_steps_have_the_intended_kinds():
