@@ -1,45 +1,55 @@
 """optax_zero_one: 0/1 Adam and 1-bit Adam as composable Optax transforms for JAX.
 
 Communication-efficient data-parallel Adam (Lu et al., ICLR 2023, arXiv:2202.06009; Tang et al.,
-ICML 2021, arXiv:2102.02888). Each worker passes its *local* gradient; the optimizers do the
+ICML 2021, arXiv:2102.02888). Each worker passes its *local* gradient; the transforms do the
 averaging over a named axis (``axis_name``) bound by ``jax.shard_map``, ``jax.pmap`` or
 ``jax.vmap``, with a fused 1-bit compressed collective for most steps.
 
-Building blocks, and how they compose:
+The three transforms, each usable on its own (``docs/design.md``):
 
+- :func:`scale_by_frozen_variance_adam`: Adam's moments with ``v`` updated only on a variance
+  policy's steps and frozen after its freeze step;
 - :func:`onebit_mean`: the 1-bit compressed mean with error feedback (one all-to-all and one
-  all-gather per call for the whole tree). ``optax.chain(onebit_mean("w"), optax.sgd(lr))`` is
-  1-bit SGD with error feedback; ``optax.chain(onebit_mean("w"), optax.sgd(lr, momentum=0.9))``
-  adds momentum on the averaged gradient.
-- Policies (:class:`VarianceDoubling`, :class:`LocalStepDoubling`): when to update the variance
-  and when to synchronise. Any object with the same ``init``/``is_*_step``/``next`` methods can
-  replace them, e.g. a sync policy tied to the learning rate::
+  all-gather per call for the whole tree), and :func:`scheduled_mean`, which picks a float mean,
+  a 1-bit mean or no communication per step from a variance policy;
+- :func:`local_step_sync`: local steps of any inner transform, replaced by their 1-bit average on
+  a local-step policy's sync steps (rules :class:`ParamsAverage`, :class:`MomentumAverage`,
+  :class:`FrozenAdamSync`).
 
-      class SyncEvery:                      # sync every `gap` steps, whatever the counters
-          def __init__(self, gap): self.gap = gap
-          def init(self): return 0
-          def is_sync_step(self, state, k): return k % self.gap == 0
-          def next(self, state, k): return state
-
-      tx = scale_by_zero_one_adam(lr, variance_policy=VarianceDoubling(1000, 16),
-                                  local_step_policy=SyncEvery(4), axis_name="w")
-
-- :func:`scale_by_zero_one_adam` / :func:`scale_by_onebit_adam`: the algorithms;
-  :func:`zero_one_adam` / :func:`onebit_adam`: the aliases with DeepSpeed's defaults.
-- :func:`local_step`, :func:`sync_payload`, :func:`sync_step`: the pure pieces of 0/1 Adam's
-  phase B, for building variants.
-- :func:`comm_stats`: which collectives a compiled program runs and how many bytes it sends.
-- :func:`replicate`, :func:`unreplicate`, :func:`synchronized_params`: the worker layout.
-- :func:`worker_count`, :func:`check_worker_count`, :func:`reset_compression`: checkpoints and
-  worker counts (exact resume needs none of them: save and restore the worker layout).
+:func:`zero_one_adam` and :func:`onebit_adam` are short compositions of them inside
+:func:`flatten`, which runs a transform on one flat buffer per worker so that the compiled
+program does not grow with the number of leaves. Also: the policies (:class:`VarianceDoubling`,
+:class:`LocalStepDoubling`, :class:`FullPrecisionWarmup`), the step kinds of a run
+(:func:`step_kinds`, :func:`pin_step`), :func:`comm_stats` (what a compiled program sends), the
+worker layout (:func:`replicate`, :func:`unreplicate`, :func:`synchronized_params`) and
+checkpoints across worker counts (:func:`check_worker_count`, :func:`reset_compression`).
 """
 
 from optax_zero_one.checkpoint import check_worker_count, reset_compression, worker_count
 from optax_zero_one.collective import OnebitMeanState, compressed_mean, float_mean, onebit_mean
 from optax_zero_one.comm_stats import Collective, CommStats, comm_stats, parse_hlo
 from optax_zero_one.deepspeed import from_deepspeed_config
-from optax_zero_one.onebit_adam import OnebitAdamState, onebit_adam, scale_by_onebit_adam
+from optax_zero_one.flat import FlattenState, FlatTree, Layout, flatten
+from optax_zero_one.frozen_variance import FrozenVarianceAdamState, scale_by_frozen_variance_adam
+from optax_zero_one.kinds import (
+    ONEBIT_STEP_KINDS,
+    STEP_KINDS,
+    onebit_step_kinds,
+    pin_step,
+    step_kind,
+    step_kinds,
+)
+from optax_zero_one.local_steps import (
+    FrozenAdamSync,
+    LocalStepSyncState,
+    MomentumAverage,
+    ParamsAverage,
+    local_step_sync,
+)
+from optax_zero_one.nonfinite import SkipNotFiniteState, skip_not_finite
+from optax_zero_one.onebit_adam import onebit_adam, scale_by_onebit_adam
 from optax_zero_one.policies import (
+    FullPrecisionWarmup,
     IntervalState,
     LocalStepDoubling,
     LocalStepPolicy,
@@ -48,50 +58,57 @@ from optax_zero_one.policies import (
     sync_steps,
     variance_steps,
 )
+from optax_zero_one.scheduled_mean import ScheduledMeanState, scheduled_mean
 from optax_zero_one.workers import replicate, synchronized_params, unreplicate
-from optax_zero_one.zero_one_adam import (
-    STEP_KINDS,
-    ZeroOneAdamState,
-    local_step,
-    scale_by_zero_one_adam,
-    step_kind,
-    sync_payload,
-    sync_step,
-    zero_one_adam,
-)
+from optax_zero_one.zero_one_adam import scale_by_zero_one_adam, zero_one_adam
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "STEP_KINDS",
     "Collective",
     "CommStats",
+    "FlatTree",
+    "FlattenState",
+    "FrozenAdamSync",
+    "FrozenVarianceAdamState",
+    "FullPrecisionWarmup",
     "IntervalState",
+    "Layout",
     "LocalStepDoubling",
     "LocalStepPolicy",
-    "OnebitAdamState",
+    "LocalStepSyncState",
+    "MomentumAverage",
+    "ONEBIT_STEP_KINDS",
     "OnebitMeanState",
+    "ParamsAverage",
+    "STEP_KINDS",
+    "ScheduledMeanState",
+    "SkipNotFiniteState",
     "VarianceDoubling",
     "VariancePolicy",
-    "ZeroOneAdamState",
     "check_worker_count",
     "comm_stats",
     "compressed_mean",
+    "flatten",
     "float_mean",
     "from_deepspeed_config",
-    "local_step",
+    "local_step_sync",
     "onebit_adam",
     "onebit_mean",
+    "onebit_step_kinds",
     "parse_hlo",
+    "pin_step",
     "replicate",
     "reset_compression",
+    "scale_by_frozen_variance_adam",
     "scale_by_onebit_adam",
     "scale_by_zero_one_adam",
+    "scheduled_mean",
+    "skip_not_finite",
     "step_kind",
-    "sync_payload",
-    "sync_step",
-    "synchronized_params",
+    "step_kinds",
     "sync_steps",
+    "synchronized_params",
     "unreplicate",
     "variance_steps",
     "worker_count",

@@ -29,9 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one import workers
+from optax_zero_one import flat, workers
 from optax_zero_one.collective import OnebitMeanState
-from optax_zero_one.zero_one_adam import ZeroOneAdamState
+from optax_zero_one.flat import FlattenState, FlatTree
+from optax_zero_one.frozen_variance import FrozenVarianceAdamState
+from optax_zero_one.local_steps import LocalStepSyncState
+from optax_zero_one.scheduled_mean import ScheduledMeanState
 
 
 def worker_count(tree: Any) -> int:
@@ -119,26 +122,26 @@ def reset_compression(
     The explicit opt-in for restoring onto another number of workers. From the state of ``N``
     workers (restored for ``N``), each of the ``M`` new workers gets::
 
-        params     <- xbar         0/1 Adam: the last synchronised point (its anchor, equal on
-                                   all workers); the local steps since the last sync are dropped
+        params     <- xbar         the last synchronised point (0/1 Adam's anchor, equal on all
+                                   workers; before local steps, worker 0's params, which all
+                                   workers share); the local steps since the last sync are dropped
         lr_sum     <- 0
-        m          <- mean_i m_i   0/1 Adam: equal on all workers, except during local steps
+        m          <- mean_i m_i   equal on all workers, except during local steps
         e_w, e_s   <- 0            fresh error buffers, shaped as in ``fresh_state``
         the rest   <- worker 0's   counters, v, other transforms' states: equal on all workers
                                    (per-worker diagnostics, e.g. dropped_local_grads: worker 0's)
 
-    Counters and schedules carry on where they were. The continuation is not bit-identical to
-    any uninterrupted run: the residuals the old workers had not yet transmitted are dropped (as
-    DeepSpeed does on every load), which costs at most the error of one compression round.
+    Flat buffers are re-laid out for ``M`` workers. Counters and schedules carry on where they
+    were. The continuation is not bit-identical to any uninterrupted run: the residuals the old
+    workers had not yet transmitted are dropped (as DeepSpeed does on every load), which costs at
+    most the error of one compression round.
 
     Args:
       params: parameters in the worker layout of the saved run (leading axis ``N``).
-      opt_state: the matching optimizer state, restored for ``N`` workers (any nesting, e.g. in
-        ``optax.chain``).
+      opt_state: the matching optimizer state, restored for ``N`` workers.
       fresh_state: this run's optimizer state as ``init`` makes it for ``M`` workers, in the
-        worker layout (the state you would otherwise restore into). It supplies ``M``, the
-        shape of the compression buffers (which depends on the worker count and the collective
-        backend) and the placement of every leaf.
+        worker layout (the state you would otherwise restore into). It supplies ``M`` and the
+        shape and placement of every buffer.
       sharding: where to put the params (default: where ``fresh_state``'s first leaf is, e.g.
         ``NamedSharding(mesh, P(axis_name))``).
 
@@ -153,41 +156,80 @@ def reset_compression(
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009; DeepSpeed's load path resets the same buffers.
     """
-    if jax.tree.structure(opt_state) != jax.tree.structure(fresh_state):
-        raise ValueError(
-            "fresh_state must be a state of the same optimizer as opt_state (same tree "
-            f"structure).\n  opt_state: {jax.tree.structure(opt_state)}\n"
-            f"  fresh_state: {jax.tree.structure(fresh_state)}"
-        )
     worker_count((params, opt_state))  # the layout must be consistent before we slice it
     num_workers = worker_count(fresh_state)
-    params0, state0, fresh0 = jax.tree.map(
-        lambda x: np.asarray(x)[0], (params, opt_state, fresh_state)
-    )
-    params0 = workers.synchronized_params(params0, state0)
+    full = jax.tree.map(np.asarray, opt_state)
+    first = jax.tree.map(lambda x: x[0], full)
+    fresh0 = jax.tree.map(lambda x: np.asarray(x)[0], fresh_state)
+    params0 = workers.synchronized_params(jax.tree.map(lambda x: np.asarray(x)[0], params), first)
 
-    def reset(node: Any, full: Any, fresh: Any) -> Any:
-        if isinstance(node, ZeroOneAdamState):
-            return node._replace(
-                mu=jax.tree.map(_worker_mean, full.mu),
-                anchor=jax.tree.map(lambda p, a: np.asarray(p, a.dtype), params0, node.anchor),
-                lr_sum=np.zeros_like(node.lr_sum),
-                comm=jax.tree.map(np.zeros_like, fresh.comm),
+    def relayout(old: FlatTree, new: FlatTree) -> FlatTree:
+        tree = FlatTree(jnp.asarray(old.buffer), old.layout).to_tree()
+        return flat.to_flat(tree, new.layout, np.asarray(new.buffer).dtype)
+
+    def convert(old: Any, every: Any, fresh: Any) -> Any:
+        if hasattr(fresh, "_fields") and type(old) is not type(fresh):
+            raise ValueError(
+                "fresh_state is not a state of the same optimizer as opt_state (a "
+                f"{type(fresh).__name__} where the restored state has {type(old).__name__})."
             )
-        if isinstance(node, OnebitMeanState):
-            return jax.tree.map(np.zeros_like, fresh)
-        return node
+        if isinstance(fresh, OnebitMeanState):
+            return fresh
+        if isinstance(fresh, FlatTree):
+            if not isinstance(old, FlatTree):
+                raise ValueError("fresh_state is not a state of the same optimizer as opt_state.")
+            return relayout(old, fresh)
+        if isinstance(fresh, FlattenState):
+            return FlattenState(fresh.offsets, convert(old.inner_state, every.inner_state,
+                                                       fresh.inner_state))  # fmt: skip
+        if isinstance(fresh, LocalStepSyncState):
+            if isinstance(old.anchor, FlatTree):
+                anchor = flat.to_flat(params0, fresh.anchor.layout, fresh.anchor.buffer.dtype)
+            else:
+                anchor = jax.tree.map(lambda p, a: np.asarray(p, a.dtype), params0, old.anchor)
+            return fresh._replace(
+                count=old.count,
+                local_step_policy=old.local_step_policy,
+                anchor=anchor,
+                anchored=old.anchored,
+                lr_sum=np.zeros_like(old.lr_sum),
+                skipped_updates=old.skipped_updates,
+                dropped_local_grads=old.dropped_local_grads,
+                inner_state=convert(old.inner_state, every.inner_state, fresh.inner_state),
+            )
+        if isinstance(fresh, FrozenVarianceAdamState):
+            mean = jax.tree.map(_worker_mean, every.mu)
+            return fresh._replace(
+                count=old.count,
+                variance_policy=old.variance_policy,
+                mu=convert(mean, mean, fresh.mu),
+                nu=convert(old.nu, every.nu, fresh.nu),
+                momentum_mean=convert(old.momentum_mean, every.momentum_mean, fresh.momentum_mean),
+            )
+        if isinstance(fresh, ScheduledMeanState):
+            return fresh._replace(count=old.count, variance_policy=old.variance_policy)
+        if isinstance(fresh, tuple | list) and not hasattr(fresh, "shape"):
+            if len(old) != len(fresh):
+                raise ValueError("fresh_state is not a state of the same optimizer as opt_state.")
+            parts = [convert(o, e, f) for o, e, f in zip(old, every, fresh)]
+            return type(fresh)(*parts) if hasattr(fresh, "_fields") else type(fresh)(parts)
+        if isinstance(fresh, dict):
+            return {key: convert(old[key], every[key], fresh[key]) for key in fresh}
+        return old
 
-    def is_node(x: Any) -> bool:
-        return isinstance(x, ZeroOneAdamState | OnebitMeanState)
-
-    state0 = jax.tree.map(reset, state0, opt_state, fresh0, is_leaf=is_node)
+    state0 = convert(first, full, fresh0)
     placements = [getattr(x, "sharding", None) for x in jax.tree.leaves(fresh_state)]
+    leaves, treedef = jax.tree.flatten(state0)
+    if treedef != jax.tree.structure(fresh_state):
+        raise ValueError(
+            "fresh_state must be a state of the same optimizer as opt_state (same structure).\n"
+            f"  converted: {treedef}\n  fresh_state: {jax.tree.structure(fresh_state)}"
+        )
     state = jax.tree.unflatten(
-        jax.tree.structure(state0),
+        treedef,
         [
-            _place(np.repeat(x[None], num_workers, axis=0), where)
-            for x, where in zip(jax.tree.leaves(state0), placements)
+            _place(np.repeat(np.asarray(x)[None], num_workers, axis=0), where)
+            for x, where in zip(leaves, placements)
         ],
     )
     sharding = sharding or next((s for s in placements if s is not None), None)

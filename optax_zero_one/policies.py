@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from optax_zero_one import _checks
@@ -153,6 +155,63 @@ class LocalStepDoubling:
         full = counter >= self.scaler
         interval = _minimum(state.interval * (1 + full), self.clipper)
         return IntervalState(interval, counter * (1 - full))
+
+
+@dataclasses.dataclass(frozen=True)
+class FullPrecisionWarmup:
+    """1-bit Adam's variance policy: every step up to ``freeze_step`` updates the variance.
+
+    Args:
+      freeze_step: ``T``, the number of full-precision warm-up steps; ``>= 0``.
+
+    Example:
+      >>> variance_steps(FullPrecisionWarmup(freeze_step=3), num_steps=10)
+      array([1, 2, 3])
+
+    References:
+      Tang et al., 1-bit Adam, arXiv:2102.02888 (the warm-up stage).
+    """
+
+    freeze_step: int = 100_000
+
+    def __post_init__(self) -> None:
+        _checks.check_int("freeze_step", self.freeze_step, 0)
+
+    def init(self) -> tuple:
+        """No counters."""
+        return ()
+
+    def is_update_step(self, state: tuple, step: Any) -> Any:
+        """Every step (up to the freeze)."""
+        del state
+        return step == step
+
+    def next(self, state: tuple, step: Any) -> tuple:
+        """Nothing to count."""
+        del step
+        return state
+
+
+def advance(policy: Any, state: Any, step: Any, active: Any) -> Any:
+    """``policy.next(state, step)`` where ``active``, else ``state``, in ``state``'s dtypes
+    (the state of a policy that governs only some steps, e.g. phase A or phase B)."""
+    if isinstance(active, bool | np.bool_):
+        new = policy.next(state, step) if active else state
+        return jax.tree.map(lambda n, o: jnp.asarray(n, jnp.result_type(o)), new, state)
+    return jax.tree.map(
+        lambda new, old: jnp.where(active, jnp.asarray(new, jnp.result_type(old)), old),
+        policy.next(state, step),
+        state,
+    )
+
+
+def state_before(policy: Any, first_step: int, step: int) -> Any:
+    """The policy's state (Python ints) before ``step``, for a policy advanced on every step
+    from ``first_step`` on (phase A: 1; phase B: ``freeze_step + 1``)."""
+    state = policy.init()
+    for k in range(first_step, step):
+        state = policy.next(state, k)
+    return state
 
 
 def _fires(policy: Any, predicate: Any, first: int, last: int) -> list[int]:

@@ -84,13 +84,12 @@ References:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from optax_zero_one import compression
+from optax_zero_one.flat import Layout
 
 MAX_WORKERS = 255
 LIMB_BITS = 24
@@ -127,24 +126,16 @@ def fields_per_word(num_workers: int) -> int:
     return 32 // field_width(num_workers)
 
 
-def payload_words(sizes: list[int], num_workers: int) -> int:
-    """uint32 words one worker contributes to the psum for leaves of ``sizes`` elements.
+def payload_words(layout: Layout) -> int:
+    """uint32 words one worker contributes to the psum for a buffer of ``layout``.
 
-    ``ceil(T / f) + 13 L`` for ``T`` elements in ``L`` non-empty leaves; ``0`` when ``N == 1``.
+    ``ceil(N C / f) + 13 L``: the sign fields of every entry of the ``(N, C)`` buffer (padding
+    entries count zero) and the encoded scales of the ``L`` leaves; ``0`` when ``N == 1``.
     """
-    if num_workers == 1:
+    n = layout.num_workers
+    if n == 1 or layout.width == 0:
         return 0
-    live = [s for s in sizes if s > 0]
-    return -(-sum(live) // fields_per_word(num_workers)) + SCALE_WORDS * len(live)
-
-
-def error_sizes(size: int, num_workers: int) -> tuple[int, int]:
-    """Lengths of a leaf's worker and server error buffers: ``(size, 0)``, ``(0, 0)`` if ``N == 1``.
-
-    The error has the leaf's own length (nothing is padded) and there is no server stage.
-    """
-    check_num_workers(num_workers)
-    return (size if num_workers > 1 else 0), 0
+    return -(-(n * layout.width) // fields_per_word(n)) + SCALE_WORDS * layout.num_leaves
 
 
 def pack_signs(signs: jax.Array, num_workers: int) -> jax.Array:
@@ -252,53 +243,42 @@ def _power_of_two(exponent: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.int32), jnp.float32)
 
 
-def compressed_mean(tree: Any, worker_error: Any, axis_name: str) -> tuple[Any, Any, jax.Array]:
-    """One call of the psum backend (see the module docstring for the maths).
+def compressed_mean(
+    x: jax.Array, worker_error: jax.Array, layout: Layout, axis_name: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One call of the psum backend on a flat buffer (see the module docstring for the maths).
 
-    Must be called where ``axis_name`` is bound, with ``2 <= N <= 255`` workers and error buffers
-    of the leaves' lengths (:func:`error_sizes`); identical on every worker.
+    Must be called where ``axis_name`` is bound, with ``2 <= N <= 255`` workers; identical on
+    every worker. Only the entries that hold elements of the tree take part (each leaf's RMS is
+    over its own ``n`` elements); padding entries send a zero count and stay zero.
 
     Args:
-      tree: a pytree of floating arrays, this worker's values.
-      worker_error: a tree like ``tree`` of flat error vectors, one per leaf.
+      x: float ``(N, C)``, this worker's values in ``layout``.
+      worker_error: float ``(N, C)``, this worker's error (zero outside the elements).
+      layout: the buffers' layout.
       axis_name: the worker axis.
 
     Returns:
-      ``(mean, new_worker_error, finite)``: the compressed mean (a tree like ``tree``, its
-      dtypes; the leaves derive from the psum only, so they are typed as replicated under
-      ``shard_map``), the new errors, and whether every shared scale is finite (identical on
-      every worker).
+      ``(mean, new_worker_error, finite)``: the compressed mean (zero in the padding), the new
+      error, and whether every shared scale is finite (identical on every worker).
     """
-    num_workers = lax.axis_size(axis_name)
+    num_workers = layout.num_workers
     check_num_workers(num_workers)
-    leaves, treedef = jax.tree.flatten(tree)
-    errors = jax.tree.leaves(worker_error)
-    live = [i for i, leaf in enumerate(leaves) if leaf.size > 0]
-    if not live:
-        return tree, worker_error, jnp.ones([], bool)
-
-    inputs, signs, scales = {}, [], []
-    for i in live:
-        flat = leaves[i].reshape(-1).astype(errors[i].dtype)
-        sign, scale, _ = compression.compress(flat, errors[i])  # its error uses its own scale
-        inputs[i] = flat + errors[i]
-        signs.append(sign)
-        scales.append(scale[0])
-    words = pack_signs(jnp.concatenate(signs), num_workers)
-    payload = jnp.concatenate([words, encode_scales(jnp.stack(scales)).reshape(-1)])
+    element = layout.is_element()
+    a = jnp.where(element, x + worker_error, 0)
+    a, scales = compression.leaf_rms(a, layout, layout.sizes)  # the error uses the shared one
+    signs = (a >= 0) & element
+    words = pack_signs(signs.reshape(-1), num_workers)
+    payload = jnp.concatenate([words, encode_scales(scales).reshape(-1)])
     summed = lax.psum(payload, axis_name)  # the only collective
 
-    total = sum(leaves[i].size for i in live)
-    counts = unpack_counts(summed[: words.size], total, num_workers)
-    shared = decode_scales(summed[words.size :].reshape(len(live), SCALE_WORDS), num_workers)
-    outputs, new_errors, offset = list(leaves), list(errors), 0
-    for k, (i, sign) in enumerate(zip(live, signs)):
-        leaf, dtype = leaves[i], errors[i].dtype
-        count = counts[offset : offset + leaf.size]
-        offset += leaf.size
-        scale = shared[k].astype(dtype)
-        level = (2 * count - num_workers).astype(dtype) / num_workers  # exact integer, 1 rounding
-        outputs[i] = (scale * level).reshape(leaf.shape).astype(leaf.dtype)
-        new_errors[i] = inputs[i] - jnp.where(sign, scale, -scale)
-    finite = jnp.all(jnp.isfinite(shared))
-    return jax.tree.unflatten(treedef, outputs), jax.tree.unflatten(treedef, new_errors), finite
+    total = signs.size
+    counts = unpack_counts(summed[: words.size], total, num_workers).reshape(signs.shape)
+    shared = decode_scales(
+        summed[words.size :].reshape(layout.num_leaves, SCALE_WORDS), num_workers
+    )
+    scale = layout.per_column(shared.astype(x.dtype))
+    level = (2 * counts - num_workers).astype(x.dtype) / num_workers  # exact integer, 1 rounding
+    mean = jnp.where(element, scale * level, 0)
+    new_error = jnp.where(element, a - jnp.where(signs, scale, -scale), 0)
+    return mean, new_error, jnp.all(jnp.isfinite(shared))

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_zero_one.zero_one_adam import ZeroOneAdamState
+from optax_zero_one.flat import FlatTree
+from optax_zero_one.local_steps import LocalStepSyncState
 
 
 def replicate(tree: Any, num_workers: int, sharding: jax.sharding.Sharding | None = None) -> Any:
@@ -43,11 +44,11 @@ def unreplicate(tree: Any, worker: int = 0) -> Any:
 def synchronized_params(params: Any, opt_state: Any) -> Any:
     """The parameters at the last synchronisation point, identical on every worker.
 
-    During 0/1 Adam's local steps each worker's parameters drift apart; the anchor in
-    :class:`~optax_zero_one.ZeroOneAdamState` is where all workers were at the last sync (in
-    phase A: the parameters after the last step), bitwise equal on every worker. Use it to
-    evaluate, export or checkpoint a model. For other states (1-bit Adam, Adam) the parameters
-    are returned as they are.
+    During local steps (0/1 Adam's phase B, or any :func:`~optax_zero_one.local_step_sync`)
+    each worker's parameters drift apart; the wrapper's ``anchor`` is where all workers were at
+    the last sync, bitwise equal on every worker. Before local steps begin the parameters are
+    synchronised themselves and are returned. Use it to evaluate, export or checkpoint a model.
+    For states without local steps (1-bit Adam, Adam) the parameters are returned as they are.
 
     Works on one worker's tree inside the mapped context and on the worker layout outside it.
 
@@ -60,11 +61,22 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
     """
     found = [
         s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ZeroOneAdamState))
-        if isinstance(s, ZeroOneAdamState)
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, LocalStepSyncState))
+        if isinstance(s, LocalStepSyncState)
     ]
     if not found:
         return params
     if len(found) > 1:
-        raise ValueError("opt_state holds more than one ZeroOneAdamState; pass the one to use.")
-    return jax.tree.map(lambda x, a: jnp.asarray(a).astype(x.dtype), params, found[0].anchor)
+        raise ValueError("opt_state holds more than one LocalStepSyncState; pass the one to use.")
+    state = found[0]
+    anchor = state.anchor
+    if isinstance(anchor, FlatTree):
+        anchor = anchor.to_tree()
+    anchored = jnp.asarray(state.anchored)
+
+    def pick(x: Any, a: Any) -> Any:
+        x, a = jnp.asarray(x), jnp.asarray(a)
+        flag = anchored.reshape(anchored.shape + (1,) * (a.ndim - anchored.ndim))
+        return jnp.where(flag, a.astype(x.dtype), x)
+
+    return jax.tree.map(pick, params, anchor)

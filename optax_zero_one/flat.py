@@ -1,0 +1,435 @@
+"""The flat worker-major layout: a whole pytree as one float buffer per worker.
+
+The optimizers keep their state, and do all their arithmetic, on one buffer per quantity
+instead of one array per parameter leaf, so that the compiled program does not grow with the
+number of leaves (``docs/design.md``, "The flat layout"). The layout is the one the 1-bit
+collective sends, so that its payload is a reshape:
+
+- each leaf ``l`` (``n_l`` elements) is flattened and zero-padded to ``P_l``, a multiple of
+  ``N * lcm(N, 8)`` (``N`` workers): the padding the compressed mean is defined with;
+- it is cut into ``N`` chunks of ``c_l = P_l / N`` elements, and row ``j`` of the buffer holds
+  chunk ``j`` of every leaf, one after the other: a buffer has shape ``(N, C)``;
+- in memory each chunk is followed by zeros up to a multiple of a block size ``B`` (a power of
+  two, 8 for models up to ~8M parameters per worker row), so that every block of ``B`` columns
+  belongs to one leaf and per-leaf reductions are reductions over blocks. These zeros are never
+  part of any computation (the compressor keeps them zero) and are dropped on the way back.
+
+:class:`Layout` describes this for a tree of shapes and a worker count; :class:`FlatTree` is a
+pytree holding one such buffer (so ``jax.tree.map`` and optax transforms act on the buffer, and
+the compressor reads the leaf boundaries from it); :func:`flatten` is the transform wrapper
+that converts once on the way in and once on the way out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from optax_zero_one import _checks, _graph
+
+_MAX_BLOCKS = 1 << 20  # block tables of at most 4 MiB (int32) per layout
+
+
+def padded_size(size: int, num_workers: int) -> int:
+    """Length a leaf of ``size`` elements is padded to for ``num_workers`` workers.
+
+    The smallest multiple of ``N * lcm(N, 8)`` that holds ``size`` elements, so that each of the
+    ``N`` chunks is a whole number of bytes once packed 8 signs per byte (DeepSpeed's choice).
+
+    Example:
+      >>> padded_size(100, 4)
+      128
+    """
+    if size < 0 or num_workers < 1:
+        raise ValueError(
+            f"padded_size needs size >= 0 and num_workers >= 1, got {size}, {num_workers}"
+        )
+    unit = num_workers * math.lcm(num_workers, 8)
+    return -(-size // unit) * unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every element of a tree of shapes lives in the ``(N, C)`` buffers (static).
+
+    Attributes:
+      treedef: the tree structure of the parameters.
+      shapes: the shape of each leaf, in ``jax.tree.leaves`` order.
+      num_workers: ``N``, the number of rows.
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    num_workers: int
+
+    @classmethod
+    def of(cls, tree: Any, num_workers: int) -> Layout:
+        """The layout of ``tree`` (arrays or anything with a ``shape``) for ``N`` workers."""
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(treedef, tuple(tuple(np.shape(x)) for x in leaves), int(num_workers))
+
+    @functools.cached_property
+    def sizes(self) -> np.ndarray:
+        """``n_l``: elements of each leaf."""
+        return np.asarray([math.prod(s) for s in self.shapes], np.int64)
+
+    @functools.cached_property
+    def padded(self) -> np.ndarray:
+        """``P_l``: the padded length of each leaf (a multiple of ``N lcm(N, 8)``)."""
+        return np.asarray([padded_size(int(n), self.num_workers) for n in self.sizes], np.int64)
+
+    @functools.cached_property
+    def chunks(self) -> np.ndarray:
+        """``c_l = P_l / N``: the columns of each leaf that carry values, per row."""
+        return self.padded // self.num_workers
+
+    @functools.cached_property
+    def block(self) -> int:
+        """``B``: the smallest power of two >= 8 for which the buffer has at most 2**20 blocks."""
+        block = 8
+        while (self._columns(block)).sum() // block > _MAX_BLOCKS:
+            block *= 2
+        return block
+
+    def _columns(self, block: int) -> np.ndarray:
+        return -(-self.chunks // block) * block
+
+    @functools.cached_property
+    def columns(self) -> np.ndarray:
+        """``c'_l``: the columns each leaf occupies in memory (``c_l`` rounded up to ``B``)."""
+        return self._columns(self.block)
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        """The first column of each leaf."""
+        return np.concatenate([[0], np.cumsum(self.columns)])[:-1].astype(np.int64)
+
+    @property
+    def width(self) -> int:
+        """``C``: the columns of a buffer."""
+        return int(self.columns.sum())
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.width // self.block
+
+    @functools.cached_property
+    def block_leaf(self) -> np.ndarray:
+        """For every block, the index of the leaf it belongs to (int32, ``(C / B,)``)."""
+        return np.repeat(np.arange(self.num_leaves), self.columns // self.block).astype(np.int32)
+
+    @functools.cached_property
+    def block_first(self) -> np.ndarray:
+        """For every block, the position of its first column inside its leaf's chunk."""
+        first = np.arange(self.num_blocks, dtype=np.int64) * self.block
+        return (first - self.starts[self.block_leaf]).astype(np.int32)
+
+    def shape(self) -> tuple[int, int]:
+        """The buffer shape ``(N, C)``."""
+        return (self.num_workers, self.width)
+
+    def shape_tree(self) -> Any:
+        """The tree of shapes this layout holds, as ``jax.ShapeDtypeStruct`` (float32) leaves."""
+        leaves = [jax.ShapeDtypeStruct(s, jnp.float32) for s in self.shapes]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def check_tree(self, tree: Any, what: str, where: str) -> None:
+        """Raises a ``ValueError`` naming the leaf if ``tree`` (``what``) is not this layout's
+        tree (made for ``where``)."""
+        _checks.check_tree_matches(tree, self.shape_tree(), what, where)
+
+    def check(self, other: Layout, what: str) -> None:
+        """Raises a ``ValueError`` explaining how ``other`` (found in ``what``) differs."""
+        if other == self:
+            return
+        if other.num_workers != self.num_workers:
+            raise ValueError(
+                f"{what} was made for {other.num_workers} workers, but this axis has "
+                f"{self.num_workers}. Initialise the optimizer for this worker count (or restore "
+                "a checkpoint made with it; see optax_zero_one.check_worker_count)."
+            )
+        raise ValueError(
+            f"{what} was made for another parameter tree (structure or shapes differ).\n"
+            f"  state: {other.treedef} with shapes {other.shapes}\n"
+            f"  here:  {self.treedef} with shapes {self.shapes}"
+        )
+
+    # -- per-element facts, from per-block tables broadcast along each block ---------------
+
+    @functools.cached_property
+    def _block_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per block: in-chunk columns, the chunk length ``c_l`` and ``n_l`` minus the chunk
+        position of the block's first column (what the element test below needs)."""
+        leaf = self.block_leaf
+        first = self.block_first.astype(np.int64)
+        valid = np.clip(self.chunks[leaf] - first, 0, self.block)
+        limit = self.sizes[leaf] - first
+        return valid.astype(np.int32), self.chunks[leaf].astype(np.int32), limit.astype(np.int64)
+
+    @property
+    def has_memory_padding(self) -> bool:
+        """Whether some chunk is shorter than the columns it occupies (``c_l % B != 0``)."""
+        return bool(np.any(self.chunks % self.block))
+
+    @property
+    def has_padding(self) -> bool:
+        """Whether any entry of a buffer is padding of either kind."""
+        return self.has_memory_padding or bool(np.any(self.sizes != self.padded))
+
+    def blocks(self, x: jax.Array) -> jax.Array:
+        """A ``(..., C)`` buffer viewed as ``(..., C / B, B)`` (a bitcast)."""
+        return x.reshape(*x.shape[:-1], self.num_blocks, self.block)
+
+    def in_chunk(self) -> jax.Array | bool:
+        """bool ``(1, C)``: the column is one of its leaf's ``c_l`` columns (not the memory
+        padding up to the block size); ``True`` when there is no such padding."""
+        if not self.has_memory_padding:
+            return True
+        valid = jnp.asarray(self._block_tables[0])[:, None]
+        column = lax.broadcasted_iota(jnp.int32, (self.num_blocks, self.block), 1)
+        return (column < valid).reshape(1, self.width)
+
+    def is_element(self) -> jax.Array | bool:
+        """bool ``(N, C)``: the entry holds an element of the tree (not padding of either
+        kind); ``True`` when there is no padding."""
+        if not self.has_padding:
+            return True
+        valid, chunk, limit = self._block_tables
+        row = lax.broadcasted_iota(jnp.int32, (self.num_workers, 1), 0)
+        # Elements of row j in a block: columns below limit - j c_l (and below the chunk's end).
+        rows = jnp.asarray(np.minimum(limit, np.iinfo(np.int32).max).astype(np.int32))[None]
+        count = jnp.clip(rows - row * jnp.asarray(chunk)[None], 0, jnp.asarray(valid)[None])
+        column = lax.broadcasted_iota(jnp.int32, (1, self.num_blocks, self.block), 2)
+        return (column < count[..., None]).reshape(self.num_workers, self.width)
+
+    def padded_leaves(self, buffer: jax.Array) -> list[jax.Array]:
+        """Each leaf's padded vector (``P_l`` elements: chunk ``j`` from row ``j``) from a
+        ``(..., N, C)`` buffer, leading axes kept (for inspection and tests)."""
+        batch = buffer.shape[:-2]
+        return [
+            buffer[..., int(start) : int(start) + int(chunk)].reshape((*batch, int(padded)))
+            for start, chunk, padded in zip(self.starts, self.chunks, self.padded)
+        ]
+
+    def chunk_leaves(self, row: jax.Array) -> list[jax.Array]:
+        """Each leaf's chunk (``c_l`` elements) of a ``(..., C)`` row such as a server error."""
+        return [
+            row[..., int(start) : int(start) + int(chunk)]
+            for start, chunk in zip(self.starts, self.chunks)
+        ]
+
+    def leaf_sums(self, values: jax.Array) -> jax.Array:
+        """Per-leaf sums of ``values`` (``(..., C)``, summed over every leading axis): ``(L,)``."""
+        per_block = jnp.sum(self.blocks(values).reshape(-1, self.num_blocks, self.block), (0, 2))
+        return jax.ops.segment_sum(
+            per_block, jnp.asarray(self.block_leaf), self.num_leaves, indices_are_sorted=True
+        )
+
+    def per_column(self, per_leaf: jax.Array) -> jax.Array:
+        """Per-leaf values ``(..., L)`` spread over each leaf's columns: ``(..., C)``."""
+        per_block = jnp.take(per_leaf, jnp.asarray(self.block_leaf), axis=-1)
+        spread = jnp.broadcast_to(per_block[..., None], (*per_block.shape, self.block))
+        return spread.reshape(*per_leaf.shape[:-1], self.width)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class FlatTree:
+    """A pytree stored as one buffer in the worker-major :class:`Layout`.
+
+    A pytree node with one child (``buffer``, ``(N, C)`` plus any leading batch axes) and the
+    layout as static data: ``jax.tree.map`` and optax transforms act on the buffer, so a chain
+    of elementwise transforms over a ``FlatTree`` is a few operations whatever the number of
+    leaves, and the compressed mean reads the leaf boundaries from it.
+    """
+
+    def __init__(self, buffer: Any, layout: Layout):
+        self.buffer = buffer
+        self.layout = layout
+
+    def tree_flatten_with_keys(self) -> tuple:
+        return ((jax.tree_util.GetAttrKey("buffer"), self.buffer),), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout: Layout, children: Any) -> FlatTree:
+        return cls(children[0], layout)
+
+    def shapes(self) -> Any:
+        """The tree this buffer holds, as ``jax.ShapeDtypeStruct`` leaves (float32)."""
+        return self.layout.shape_tree()
+
+    def __repr__(self) -> str:
+        shape = getattr(self.buffer, "shape", None)
+        return f"FlatTree({self.layout.num_leaves} leaves, buffer {shape})"
+
+    def to_tree(self, dtypes: Any = None) -> Any:
+        """The tree this buffer holds, leaves in their own shapes (any leading batch axes kept).
+
+        Static slices: for inspection, tests and evaluation. The optimizers' own way back is
+        :func:`flatten`'s, which keeps the compiled program from growing with the leaves.
+        """
+        layout = self.layout
+        batch = self.buffer.shape[:-2]
+        leaves = [
+            padded[..., : int(size)].reshape((*batch, *shape))
+            for padded, size, shape in zip(
+                layout.padded_leaves(self.buffer), layout.sizes, layout.shapes
+            )
+        ]
+        if dtypes is not None:
+            leaves = [x.astype(d) for x, d in zip(leaves, jax.tree.leaves(dtypes))]
+        return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def compute_dtype(tree: Any) -> jnp.dtype:
+    """The dtype of the flat buffers: float32, or wider if a leaf is wider."""
+    return jnp.result_type(jnp.float32, *[jnp.result_type(x) for x in jax.tree.leaves(tree)])
+
+
+def to_flat(tree: Any, layout: Layout, dtype: Any = None) -> FlatTree:
+    """``tree`` in ``layout`` (zeros in all padding); dtype :func:`compute_dtype` by default."""
+    dtype = dtype or compute_dtype(tree)
+    n = layout.num_workers
+    pieces = []
+    for leaf, size, padded, columns in zip(
+        jax.tree.leaves(tree), layout.sizes, layout.padded, layout.columns
+    ):
+        flat = jnp.pad(jnp.reshape(leaf, -1).astype(dtype), (0, int(padded - size)))
+        rows = flat.reshape(n, int(padded) // n)
+        pieces.append(jnp.pad(rows, ((0, 0), (0, int(columns) - rows.shape[1]))))
+    buffer = jnp.concatenate(pieces, axis=1) if pieces else jnp.zeros((n, 0), dtype)
+    return FlatTree(buffer, layout)
+
+
+def zeros(layout: Layout, dtype: Any = jnp.float32) -> FlatTree:
+    """A zero buffer of ``layout``."""
+    return FlatTree(jnp.zeros(layout.shape(), dtype), layout)
+
+
+def leaf_offsets(layout: Layout) -> tuple[jax.Array, ...]:
+    """The first column of each leaf, as int32 scalars (:func:`flatten` keeps them in its state)."""
+    return tuple(jnp.asarray(int(s), jnp.int32) for s in layout.starts)
+
+
+def from_flat(flat: FlatTree, offsets: Any, dtypes: Any) -> Any:
+    """The tree a :class:`FlatTree` holds, cut out at ``offsets`` (see :class:`FlattenState`)."""
+    layout = flat.layout
+    leaves = []
+    for i, (shape, dtype) in enumerate(zip(layout.shapes, jax.tree.leaves(dtypes))):
+        chunk, size = int(layout.chunks[i]), int(layout.sizes[i])
+        piece = lax.dynamic_slice_in_dim(flat.buffer, offsets[i], chunk, axis=1)
+        leaves.append(piece.reshape(-1)[:size].reshape(shape).astype(dtype))
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def find_layout(tree: Any) -> Layout | None:
+    """The layout of the first :class:`FlatTree` in ``tree`` (``None`` if it holds none)."""
+    for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, FlatTree)):
+        if isinstance(node, FlatTree):
+            return node.layout
+    return None
+
+
+class FlattenState(NamedTuple):
+    """State of :func:`flatten`.
+
+    Attributes:
+      offsets: the first column of each leaf in the flat buffers, one int32 scalar per leaf.
+        Static facts kept as data on purpose: the program cuts the updates out of the flat
+        buffer at offsets it reads at run time, so XLA compiles one kernel per leaf *shape*
+        rather than one per leaf (with constant offsets every cut is a distinct kernel, which
+        made compile time grow with the leaf count; ``docs/design.md``). They never change.
+      inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
+    """
+
+    offsets: tuple
+    inner_state: optax.OptState
+
+
+def flatten(
+    inner: optax.GradientTransformation,
+    axis_name: str | None = None,
+    num_workers: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Runs ``inner`` on the whole tree as one flat buffer per worker (like ``optax.flatten``).
+
+    On the way in, the updates (and the params, when given) become :class:`FlatTree`\ s in the
+    worker-major layout for the ``N`` workers of ``axis_name``; ``inner`` sees those, and its
+    state holds flat buffers too; on the way out the updates are cut back into the tree, in the
+    params' dtypes (the updates' when no params are given). Elementwise transforms are
+    unaffected; the compressed mean (:func:`~optax_zero_one.onebit_mean` and the transforms
+    built on it) reads the leaf boundaries from the layout, so per-leaf scales and padding are
+    exactly those of the unflattened tree. What changes is the program: a handful of operations
+    on a few large buffers, whatever the number of leaves.
+
+    Args:
+      inner: the transformation to run on flat buffers.
+      axis_name: the worker axis the layout is made for (``None``: one worker).
+      num_workers: needed only when ``init`` runs outside the mapped context.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`FlattenState`.
+
+    Example:
+      >>> tx = flatten(optax.chain(onebit_mean("w"), optax.sgd(0.1)), axis_name="w")
+
+    References:
+      ``optax.flatten`` is the precedent (a single flat vector, no layout).
+    """
+    _checks.check_axis_name(axis_name)
+
+    def layout_for(tree: Any, workers: int) -> Layout:
+        return Layout.of(tree, workers)
+
+    def init_fn(params: optax.Params) -> FlattenState:
+        _checks.check_float_leaves(params, "params")
+        workers = _checks.resolve_num_workers(axis_name, num_workers)
+        layout = layout_for(params, workers)
+        state = FlattenState(leaf_offsets(layout), inner.init(to_flat(params, layout)))
+        return _graph.worker_state(state, axis_name)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: FlattenState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, FlattenState]:
+        _checks.check_state_type(state, FlattenState, "this optimizer")
+        workers = _checks.axis_size(axis_name)
+        if num_workers is not None:
+            _checks.resolve_num_workers(axis_name, num_workers)
+        stored = find_layout(state.inner_state)
+        if stored is not None:
+            stored.check_tree(updates, "updates", "the optimizer state")
+            if params is not None:
+                stored.check_tree(params, "params", "the optimizer state")
+        layout = layout_for(updates, workers)
+        if stored is not None:
+            layout.check(stored, "The optimizer state")
+        _checks.check_float_leaves(updates, "updates")
+        if params is not None:
+            _checks.check_tree_matches(params, updates, "params", "updates")
+        dtype = compute_dtype(updates if params is None else params)
+        flat_params = None if params is None else to_flat(params, layout, dtype)
+        from optax_zero_one import kinds  # noqa: PLC0415 (kinds knows the transforms' states)
+
+        inner_state = kinds.share_counters(state.inner_state, axis_name)
+        flat_updates, inner_state = inner.update(
+            to_flat(updates, layout, dtype), inner_state, flat_params, **extra_args
+        )
+        dtypes = jax.tree.map(lambda x: jnp.result_type(x), updates if params is None else params)
+        out = from_flat(flat_updates, state.offsets, dtypes)
+        return out, FlattenState(state.offsets, inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

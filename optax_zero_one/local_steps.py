@@ -1,0 +1,402 @@
+"""Local steps with periodic 1-bit synchronisation: a wrapper around any transform.
+
+The third of 0/1 Adam's ideas (``docs/algorithm.md``, "Phase B"): after a start step the
+workers run the inner transform on their own gradients, and on the steps a local-step policy
+names they replace the interval's local updates by their 1-bit compressed average and all
+return to one synchronised point. Around ``optax.sgd`` this is local SGD with 1-bit model
+averaging; around a frozen-variance Adam it is 0/1 Adam's sync (:class:`FrozenAdamSync`).
+
+What the wrapper needs of the inner state, and may set in it, is the business of a *sync rule*:
+what to send (``u``, or ``u`` weighted per element), and what to reset after a sync (e.g. the
+momentum). :class:`ParamsAverage` needs nothing; :class:`FrozenAdamSync` and
+:class:`MomentumAverage` read and set named fields of the inner state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_zero_one import _checks, _graph, flat, policies
+from optax_zero_one import collective as collective_lib  # `collective` names the backend
+from optax_zero_one.flat import FlatTree
+from optax_zero_one.frozen_variance import FrozenVarianceAdamState
+from optax_zero_one.scheduled_mean import ScheduledMeanState
+
+
+class LocalStepSyncState(NamedTuple):
+    """State of :func:`local_step_sync`, one per worker.
+
+    Attributes:
+      count: int32, the number of updates done.
+      local_step_policy: the local-step policy's counters (int32, identical on all workers).
+      anchor: ``xbar``, the last synchronised point (float32 or wider, like the params),
+        bitwise identical on every worker. Kept from the first step after ``start_step`` on;
+        before it the params themselves are synchronised (see ``anchored``).
+      anchored: bool, whether local steps have begun (then ``anchor`` is the synchronised point).
+      lr_sum: float32, the sum of the learning rates since the last sync.
+      errors: the compressed mean's error buffers, or ``optax.EmptyState()`` when the sync rule
+        lends the wrapper idle buffers of the inner state.
+      skipped_updates: int32, communicating steps that every worker skipped together because
+        some worker's input was not finite.
+      dropped_local_grads: int32, local steps at which *this* worker's gradient was not finite
+        and was replaced by zero.
+      inner_state: the inner transform's state.
+    """
+
+    count: jax.Array
+    local_step_policy: Any
+    anchor: optax.Params
+    anchored: jax.Array
+    lr_sum: jax.Array
+    errors: Any
+    skipped_updates: jax.Array
+    dropped_local_grads: jax.Array
+    inner_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsAverage:
+    """Sync rule: send ``u`` (the interval's local updates), change nothing in the inner state.
+
+    Around ``optax.sgd`` this is local SGD with 1-bit model averaging.
+    """
+
+    def learning_rate_at(self, count: jax.Array) -> Any:
+        """The inner transform's learning rate at ``count`` (for the interval's sum); this
+        rule does not use the sum."""
+        del count
+        return 0.0
+
+    def weight(self, inner_state: Any) -> Any:
+        """``None``: the payload is ``u`` itself."""
+        del inner_state
+        return None
+
+    def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
+        """The inner state after a sync: nothing to reset.
+
+        Where ``ok`` is false (the mean was not finite and the step is skipped) a rule leaves the
+        buffers it would write as they are.
+        """
+        del mean, lr_sum, ok
+        return inner_state
+
+    def errors(self, inner_state: Any, start_step: int) -> Any:
+        """``None``: the wrapper keeps its own error buffers."""
+        del inner_state, start_step
+        return None
+
+    def with_errors(self, inner_state: Any, errors: Any) -> Any:
+        del errors
+        return inner_state
+
+
+def _only(tree: Any, cls: type, where: str) -> Any:
+    found = [
+        node
+        for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls))
+        if isinstance(node, cls)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"{where} needs exactly one {cls.__name__} in the inner transform's state, found "
+            f"{len(found)}."
+        )
+    return found[0]
+
+
+def _replace(tree: Any, cls: type, fn: Any) -> Any:
+    return jax.tree.map(
+        lambda node: fn(node) if isinstance(node, cls) else node,
+        tree,
+        is_leaf=lambda x: isinstance(x, cls),
+    )
+
+
+def _divide_by_sum(mean: Any, lr_sum: jax.Array) -> Any:
+    """``mean / lr_sum`` (zero if the learning rates of the interval sum to zero)."""
+    positive = lr_sum > 0
+    inverse = jnp.where(positive, 1.0 / jnp.where(positive, lr_sum, 1.0), 0.0)
+    return jax.tree.map(lambda w: w * inverse.astype(w.dtype), mean)
+
+
+def _keep(ok: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+@dataclasses.dataclass(frozen=True)
+class MomentumAverage(ParamsAverage):
+    """Sync rule for ``optax.sgd(..., momentum=b)``: after a sync the momentum (optax's
+    ``TraceState.trace``) becomes the learning-rate-weighted mean momentum of the interval,
+    ``what / sum(lr)``.
+
+    Args:
+      learning_rate: the inner transform's learning rate (a float or schedule of the count).
+    """
+
+    learning_rate: optax.ScalarOrSchedule = 0.0
+
+    def learning_rate_at(self, count: jax.Array) -> Any:
+        return _checks.evaluate(self.learning_rate, count)
+
+    def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
+        old = _only(inner_state, optax.TraceState, "MomentumAverage").trace
+        momentum = _keep(ok, _divide_by_sum(mean, lr_sum), old)
+        return _replace(inner_state, optax.TraceState, lambda s: s._replace(trace=momentum))
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenAdamSync(ParamsAverage):
+    r"""0/1 Adam's sync rule, for an inner chain holding one
+    :class:`~optax_zero_one.FrozenVarianceAdamState` (and a
+    :class:`~optax_zero_one.ScheduledMeanState`)::
+
+        payload w = u (sqrt(v) + eps)       (linear in the interval's momenta: v is frozen)
+        after it: m <- what / sum(lr)       (the learning-rate-weighted mean momentum)
+
+    It lends the wrapper the error buffers of the inner :func:`~optax_zero_one.scheduled_mean`,
+    which are idle (and zero) after the variance freeze, so 0/1 Adam keeps one set of error
+    buffers; the wrapper's ``start_step`` must not come before the freeze (checked).
+
+    Args:
+      learning_rate: the inner chain's learning rate (float or schedule of the count).
+      eps: Adam's ``eps`` (as in the inner transform).
+      variance_policy: the inner transform's variance policy (for its freeze step).
+    """
+
+    learning_rate: optax.ScalarOrSchedule = 0.0
+    eps: float = 1e-8
+    variance_policy: Any = None
+
+    def learning_rate_at(self, count: jax.Array) -> Any:
+        return _checks.evaluate(self.learning_rate, count)
+
+    def weight(self, inner_state: Any) -> Any:
+        nu = _only(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").nu
+        return jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, nu)
+
+    def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
+        old = _only(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").mu
+        momentum = _keep(ok, _divide_by_sum(mean, lr_sum), old)
+        return _replace(inner_state, FrozenVarianceAdamState, lambda s: s._replace(mu=momentum))
+
+    def errors(self, inner_state: Any, start_step: int) -> Any:
+        found = _only(inner_state, ScheduledMeanState, "FrozenAdamSync")
+        if not isinstance(found.errors, collective_lib.OnebitMeanState):
+            return None
+        freeze = getattr(self.variance_policy, "freeze_step", None)
+        if freeze is None or (_graph.all_static(start_step, freeze) and start_step < freeze):
+            raise ValueError(
+                f"FrozenAdamSync borrows the scheduled mean's error buffers, which are idle only "
+                f"after the variance freeze (step {freeze}); local_step_sync's start_step "
+                f"({start_step}) must be at least that."
+            )
+        return found.errors
+
+    def with_errors(self, inner_state: Any, errors: Any) -> Any:
+        return _replace(inner_state, ScheduledMeanState, lambda s: s._replace(errors=errors))
+
+
+def local_step_sync(
+    inner: optax.GradientTransformation,
+    local_step_policy: policies.LocalStepPolicy,
+    axis_name: str | None,
+    *,
+    start_step: int = 0,
+    rule: Any = None,
+    num_workers: int | None = None,
+    collective: str = "two_phase",
+    mask: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Local steps of ``inner``, replaced by their 1-bit compressed average on sync steps.
+
+    For update ``k``, with ``x`` this worker's params, ``xbar`` the last synchronised point and
+    ``d = inner(g)`` the inner transform's update::
+
+        k <= start_step:   pass through (the inner transform is expected to average)
+        otherwise:         x' = x + d                         (a local step: no communication)
+        and on a sync:     u = xbar - x'                      (the interval's local updates)
+                           what = mask * C(u * w)             (w: the rule's weight, e.g. 1)
+                           xbar <- xbar - what / w;  x <- xbar
+                           inner state <- rule.after_sync(inner state, what, sum of lrs)
+
+    A sync step is a step ``k > start_step`` the local-step policy names; the policy advances on
+    every such ``k``. The update returned at a sync moves ``x`` to ``xbar`` (rounded to the
+    params' dtype), so after a sync every worker holds the same params and nothing can drift.
+    Nothing may be chained after this wrapper that changes the updates.
+
+    Non-finite values: up to ``start_step`` the inner transform averages, so a NaN or Inf on
+    any worker reaches every worker through the mean and all skip the step together (the update
+    is zero, the state is kept: the transforms that own buffers keep them, the wrapper restores
+    every counter; ``skipped_updates`` grows). After it each worker's gradient is its own: a
+    non-finite one is replaced by zero on that worker (``dropped_local_grads``), so local steps
+    and syncs go on. Should a sync's mean still not be finite (an overflow), the sync is skipped
+    together: no move, the anchor and the counters are kept (the inner state keeps this step's
+    local update).
+
+    Args:
+      inner: the transformation run on every step (locally after ``start_step``).
+      local_step_policy: which steps after ``start_step`` synchronise
+        (e.g. :class:`~optax_zero_one.LocalStepDoubling`).
+      axis_name: the worker axis, or ``None`` for one worker.
+      start_step: the last step before local steps begin (0: from the first step).
+      rule: what a sync sends and resets (default :class:`ParamsAverage`; 0/1 Adam uses
+        :class:`FrozenAdamSync`, SGD with momentum :class:`MomentumAverage`).
+      num_workers: needed only when ``init`` runs outside the mapped context.
+      collective: the backend of the compressed mean (``"two_phase"`` or ``"psum"``).
+      mask: optional tree of 0/1 like the params, multiplying the synchronised average.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`LocalStepSyncState`;
+      ``update`` needs ``params``.
+
+    Example:
+      >>> tx = local_step_sync(optax.sgd(0.1), LocalStepDoubling(100, 8), "w")  # local SGD
+
+    References:
+      Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1); Lin et al., Don't Use Large
+      Mini-Batches, Use Local SGD, arXiv:1808.07217.
+    """
+    _checks.check_axis_name(axis_name)
+    _checks.check_int("start_step", start_step, 0)
+    collective_lib.check_collective(collective)
+    rule = rule or ParamsAverage()
+
+    def layout_of(tree: Any, workers: int) -> flat.Layout:
+        return tree.layout if isinstance(tree, FlatTree) else flat.Layout.of(tree, workers)
+
+    def init_fn(params: optax.Params) -> LocalStepSyncState:
+        _checks.check_float_leaves(params, "params")
+        is_flat = isinstance(params, FlatTree)
+        _checks.check_mask(mask, params.shapes() if is_flat else params)
+        workers = _checks.resolve_num_workers(axis_name, num_workers)
+        inner_state = inner.init(params)
+        borrowed = rule.errors(inner_state, start_step)
+        own = (
+            optax.EmptyState()
+            if borrowed is not None
+            else collective_lib.init_errors(layout_of(params, workers), collective)
+        )
+        state = LocalStepSyncState(
+            count=jnp.zeros([], jnp.int32),
+            local_step_policy=_checks.as_int32_state(local_step_policy.init()),
+            anchor=jax.tree.map(
+                lambda p: jnp.array(p, jnp.promote_types(jnp.result_type(p), jnp.float32)),
+                params,
+            ),
+            anchored=jnp.zeros([], bool),
+            lr_sum=jnp.zeros([], jnp.float32),
+            errors=own,
+            skipped_updates=jnp.zeros([], jnp.int32),
+            dropped_local_grads=jnp.zeros([], jnp.int32),
+            inner_state=inner_state,
+        )
+        return _graph.worker_state(state, axis_name)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: LocalStepSyncState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, LocalStepSyncState]:
+        _checks.check_state_type(state, LocalStepSyncState, "local_step_sync")
+        _checks.check_tree_matches(updates, state.anchor, "updates", "the optimizer state")
+        if params is None:
+            if any(jnp.size(x) for x in jax.tree.leaves(updates)):
+                raise ValueError(
+                    "local_step_sync's update needs the params: update(grads, state, params). A "
+                    "sync sends each worker's distance to the last synchronised point."
+                )
+            params = jax.tree.map(jnp.zeros_like, updates)  # nothing to optimise
+        _checks.check_tree_matches(params, state.anchor, "params", "the optimizer state")
+        workers = _checks.axis_size(axis_name)
+        if num_workers is not None:
+            _checks.resolve_num_workers(axis_name, num_workers)
+        k = state.count + 1
+        phase_b = k > start_step
+        sync = _graph.both(phase_b, local_step_policy.is_sync_step(state.local_step_policy, k))
+        wide = jax.tree.map(lambda p, a: p.astype(a.dtype), params, state.anchor)
+
+        # The first local step: the synchronised point is where every worker is now.
+        def take_anchor(carry: Any) -> Any:
+            return carry[0], carry[0], jnp.ones([], bool)
+
+        wide, anchor, anchored = _graph.run_if(
+            _graph.both(phase_b, _graph.negate(state.anchored)),
+            take_anchor,
+            (wide, state.anchor, state.anchored),
+            like=wide,
+        )
+
+        # After start_step this worker's gradient is its own: dropped if it is not finite.
+        drop = _graph.both(phase_b, jnp.logical_not(_graph.all_finite(updates)))
+        grads = _graph.zero_if(drop, updates, like=updates)
+        step, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        step = jax.tree.map(lambda d, a: d.astype(a.dtype), step, anchor)
+        lr_sum = state.lr_sum + rule.learning_rate_at(state.count)
+        borrowed = rule.errors(inner_state, start_step) is not None
+
+        def synchronise(carry: Any) -> Any:
+            step, anchor, inner_state, own, x, _ = carry
+            errors = rule.errors(inner_state, start_step) if borrowed else own
+            weight = rule.weight(inner_state)
+            payload = jax.tree.map(lambda a, x, d: a - (x + d), anchor, x, step)
+            if weight is not None:
+                payload = jax.tree.map(jnp.multiply, payload, weight)
+            mean, errors, ok = _compressed(payload, errors, workers)
+            errors = _graph.zero_if(jnp.logical_not(ok), errors, like=payload)
+            moved = mean if weight is None else jax.tree.map(jnp.divide, mean, weight)
+            anchor = jax.tree.map(lambda a, m: jnp.where(ok, a - m, a), anchor, moved)
+            inner_state = rule.after_sync(inner_state, mean, lr_sum, ok)
+            if borrowed:
+                inner_state = rule.with_errors(inner_state, errors)
+            else:
+                own = errors
+            step = jax.tree.map(lambda a, x: jnp.where(ok, a - x, jnp.nan), anchor, x)
+            return step, anchor, inner_state, own, x, ok
+
+        carry = (step, anchor, inner_state, state.errors, wide, True)
+        step, anchor, inner_state, errors, _, finite = _graph.run_if(
+            sync, synchronise, carry, like=(step, wide)
+        )
+
+        # Before local steps begin, the inner transform communicates: check what it returned.
+        def check_step(carry: Any) -> Any:
+            return carry[0], _graph.all_finite(carry[0])
+
+        step, finite = _graph.run_if(_graph.negate(phase_b), check_step, (step, finite), like=step)
+        new_state = LocalStepSyncState(
+            count=optax.safe_increment(state.count),
+            local_step_policy=policies.advance(
+                local_step_policy, state.local_step_policy, k, phase_b
+            ),
+            anchor=anchor,
+            anchored=jnp.asarray(anchored, bool),
+            lr_sum=jnp.where(phase_b, jnp.where(sync, 0.0, lr_sum), state.lr_sum),
+            errors=errors,
+            skipped_updates=state.skipped_updates,
+            dropped_local_grads=state.dropped_local_grads + jnp.asarray(drop, jnp.int32),
+            inner_state=inner_state,
+        )
+        skipped = state._replace(skipped_updates=state.skipped_updates + 1)
+        new_state = _graph.restore_scalars(finite, new_state, skipped)
+        step = jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step)
+        return step, new_state
+
+    def _compressed(payload: Any, errors: Any, workers: int) -> tuple[Any, Any, jax.Array]:
+        is_flat = isinstance(payload, FlatTree)
+        values = payload if is_flat else flat.to_flat(payload, layout_of(payload, workers))
+        mean, errors, ok = collective_lib.compressed_mean(values, errors, axis_name, collective)
+        mean = collective_lib.apply_mask(
+            collective_lib.flat_mask(mask, values.layout, values.buffer.dtype), mean
+        )
+        if not is_flat:
+            mean = mean.to_tree(jax.tree.map(jnp.result_type, payload))
+        return mean, errors, ok
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
