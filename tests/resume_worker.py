@@ -173,7 +173,8 @@ def train(
         local = ozo.LocalStepDoubling(SCHEDULE["local_step_scaler"], SCHEDULE["local_step_clipper"])
         kind = ozo.STEP_KINDS[int(ozo.step_kind(one, variance, local))]
         x = ozo.unreplicate(params)
-        moved = any(np.any(a != p) for a, p in zip(jax.tree.leaves(one.anchor), jax.tree.leaves(x)))
+        anchor = ozo.synchronized_params(x, one)
+        moved = any(np.any(a != p) for a, p in zip(jax.tree.leaves(anchor), jax.tree.leaves(x)))
         print(
             f"restored {start} {digest((params, state))} {kind} {int(moved)}", file=out, flush=True
         )

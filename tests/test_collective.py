@@ -12,6 +12,7 @@ from workers_util import AXIS, MODES, mapped
 
 import optax_zero_one as ozo
 from optax_zero_one.collective import init_errors
+from optax_zero_one.flat import Layout
 
 SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
 
@@ -28,6 +29,14 @@ def make_inputs(n, calls, seed=0, dtypes=None):
             tree.append((rng.standard_normal((n, *shape)) * scale).astype(dtype))
         out.append(tree)
     return out
+
+
+def error_leaves(state, n):
+    """Per leaf and worker: the padded worker error (P) and the served chunk's error (P/N)."""
+    layout = Layout.of([jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES], n)
+    worker = layout.padded_leaves(np.asarray(state.worker_error.buffer))
+    server = layout.chunk_leaves(np.asarray(state.server_error))
+    return worker, server
 
 
 def run_calls(n, inputs, mode="vmap"):
@@ -55,20 +64,15 @@ def test_matches_reference_float64(n):
             for got, want in zip(out, expected):
                 for i in range(n):  # identical on every worker
                     np.testing.assert_allclose(np.asarray(got)[i], want, rtol=1e-6, atol=1e-6)
-        for leaf in range(len(SHAPES)):
-            for i in range(n):
-                if n > 1:
+        if n > 1:
+            worker, server = error_leaves(state, n)
+            for leaf in range(len(SHAPES)):
+                for i in range(n):
                     np.testing.assert_allclose(
-                        np.asarray(state.worker_error[leaf])[i],
-                        ref.worker_error[i][leaf],
-                        rtol=1e-6,
-                        atol=1e-6,
+                        worker[leaf][i], ref.worker_error[i][leaf], rtol=1e-6, atol=1e-6
                     )
                     np.testing.assert_allclose(
-                        np.asarray(state.server_error[leaf])[i],
-                        ref.server_error[i][leaf],
-                        rtol=1e-6,
-                        atol=1e-6,
+                        server[leaf][i], ref.server_error[i][leaf], rtol=1e-6, atol=1e-6
                     )
 
 
@@ -101,8 +105,9 @@ def test_error_feedback_identity(n):
             continue
         total_out = sum(np.asarray(o[leaf])[0].reshape(-1) for o in outs)
         total_mean = sum(t[leaf].reshape(n, -1).mean(0) for t in inputs)
-        ew = np.asarray(state.worker_error[leaf]).mean(0)
-        es = np.asarray(state.server_error[leaf]).reshape(-1)  # worker j holds chunk j
+        worker, server = error_leaves(state, n)
+        ew = np.asarray(worker[leaf]).mean(0)
+        es = np.asarray(server[leaf]).reshape(-1)  # worker j holds chunk j
         # the identity holds on the padded vectors; the output is seen unpadded
         expected = total_mean - (ew + es)[:size]
         np.testing.assert_allclose(total_out, expected, atol=1e-4 * calls)
@@ -111,14 +116,27 @@ def test_error_feedback_identity(n):
 
 
 @pytest.mark.parametrize("n", [4, 8])
-def test_bitwise_identical_across_mappings(n):
+def test_same_mean_under_every_mapping_and_on_every_worker(n):
+    """Every worker of one program decodes the same bytes (bitwise equal means); vmap, pmap and
+    shard_map agree to float rounding (their reductions may associate differently); one
+    program run twice gives the same bits."""
     dtypes = [np.float32, np.float32, jnp.bfloat16, np.float32, np.float32, np.float32]
     inputs = make_inputs(n, calls=3, seed=7, dtypes=dtypes)
     results = {mode: run_calls(n, inputs, mode) for mode in MODES}
-    base = jax.tree.leaves(results["vmap"])
+    for mode, (outs, _) in results.items():
+        for out in outs:
+            for leaf in out:
+                leaf = np.asarray(leaf, np.float32)
+                assert np.array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape)), mode
+    base = jax.tree.leaves(results["vmap"][0])
     for mode in ("pmap", "shard_map"):
-        for a, b in zip(base, jax.tree.leaves(results[mode])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=mode)
+        for a, b in zip(base, jax.tree.leaves(results[mode][0])):
+            np.testing.assert_allclose(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-3
+            )
+    again = run_calls(n, inputs, "shard_map")[0]
+    for a, b in zip(jax.tree.leaves(results["shard_map"][0]), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_one_worker_and_no_axis_are_identity():
@@ -142,8 +160,8 @@ def test_init_outside_mapped_context_needs_num_workers():
     with pytest.raises(ValueError, match="num_workers"):
         ozo.onebit_mean(AXIS).init(params)
     state = ozo.onebit_mean(AXIS, num_workers=4).init(params)
-    assert state.worker_error["w"].shape == (32,)  # 4 * lcm(4, 8)
-    assert state.server_error["w"].shape == (8,)
+    assert state.worker_error.buffer.shape == (4, 8)  # 4 rows of one chunk of 4 * lcm(4, 8) / 4
+    assert state.server_error.shape == (8,)
     replicated = ozo.replicate(state, 4)
     step = mapped(lambda t, s: ozo.onebit_mean(AXIS, num_workers=4).update(t, s), "vmap", 4)
     out, _ = step(ozo.replicate(params, 4), replicated)
@@ -157,7 +175,7 @@ def test_state_for_other_worker_count_is_rejected():
     params = {"w": jnp.zeros((10,))}
     state = ozo.replicate(ozo.onebit_mean(AXIS, num_workers=2).init(params), 4)
     step = mapped(lambda t, s: ozo.onebit_mean(AXIS).update(t, s), "vmap", 4)
-    with pytest.raises(ValueError, match="another number of workers"):
+    with pytest.raises(ValueError, match="made for 2 workers, but this axis has 4"):
         step(ozo.replicate(params, 4), state)
 
 
@@ -168,7 +186,9 @@ def test_bad_inputs_rejected_early():
         ozo.onebit_mean(3)
     tx = ozo.onebit_mean("missing")
     with pytest.raises(ValueError, match="not bound"):
-        jax.vmap(lambda t: tx.update(t, init_errors(t, 2)), axis_name=AXIS)(jnp.zeros((2, 3)))
+        jax.vmap(lambda t: tx.update(t, init_errors(Layout.of(t, 2))), axis_name=AXIS)(
+            jnp.zeros((2, 3))
+        )
 
 
 def test_sgd_chain_is_one_bit_sgd():

@@ -1,39 +1,89 @@
-"""The compression pieces on their own: padding, error-compensated sign, packing, scales."""
+"""The compression pieces on their own: padding, the flat layout, error-compensated signs with
+per-leaf scales, packing, scales on the wire."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import padded_size as ref_padded_size
 
-from optax_zero_one import compression
+from optax_zero_one import compression, flat
+
+SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 24, 64])
 def test_padded_size_matches_reference(n):
     for size in [0, 1, 7, 8, 63, 64, 65, 1000, 12345]:
-        p = compression.padded_size(size, n)
+        p = flat.padded_size(size, n)
         assert p == ref_padded_size(size, n)
         assert p >= size and p % (n * np.lcm(n, 8)) == 0 and p - size < n * np.lcm(n, 8)
 
 
 def test_padded_size_rejects_bad_input():
     with pytest.raises(ValueError, match="num_workers"):
-        compression.padded_size(10, 0)
+        flat.padded_size(10, 0)
 
 
-def test_compress_is_sign_rms_and_error():
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_flat_layout_round_trip_and_worker_major_rows(n):
+    """Row j of the buffer holds chunk j of every leaf; to_flat / to_tree / padded_leaves are
+    inverse views, and padding is zero."""
+    rng = np.random.default_rng(n)
+    tree = {f"l{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(SHAPES)}
+    layout = flat.Layout.of(tree, n)
+    values = flat.to_flat(tree, layout)
+    assert values.buffer.shape == (n, layout.width)
+    back = values.to_tree()
+    for key in tree:
+        np.testing.assert_array_equal(back[key], tree[key])
+    leaves = jax.tree.leaves(tree)
+    for leaf, padded, chunk in zip(leaves, layout.padded_leaves(values.buffer), layout.chunks):
+        expected = np.concatenate([leaf.reshape(-1), np.zeros(padded.size - leaf.size)])
+        np.testing.assert_array_equal(padded, expected)
+        assert padded.size == chunk * n
+    # everything outside the elements is zero
+    element = np.broadcast_to(np.asarray(layout.is_element()), values.buffer.shape)
+    assert np.all(np.asarray(values.buffer)[~element] == 0)
+    assert int(element.sum()) == sum(leaf.size for leaf in leaves)
+
+
+def test_block_size_grows_with_the_model_and_keeps_chunks_aligned():
+    small = flat.Layout.of({"w": jax.ShapeDtypeStruct((1000, 100), jnp.float32)}, 8)
+    assert small.block == 8 and not small.has_memory_padding
+    big = flat.Layout.of([jax.ShapeDtypeStruct((30_000, 1_024), jnp.float32)] * 12, 2)
+    assert big.num_blocks <= 1 << 20 and big.block > 8
+    assert np.all(big.columns % big.block == 0) and np.all(big.columns >= big.chunks)
+
+
+def test_compress_is_sign_rms_and_error_per_leaf():
     rng = np.random.default_rng(0)
-    z = rng.standard_normal(64).astype(np.float32)
-    e = rng.standard_normal(64).astype(np.float32) * 0.1
-    z[3] = -e[3]  # a == 0 exactly: must map to +1
-    signs, scale, new_e = compression.compress(jnp.asarray(z), jnp.asarray(e))
-    a = z.astype(np.float64) + e
-    assert bool(signs[3])
+    tree = [rng.standard_normal(s).astype(np.float32) * 3 for s in [(40,), (7, 3), ()]]
+    layout = flat.Layout.of(tree, 2)
+    z = flat.to_flat(tree, layout).buffer
+    e = jnp.asarray(rng.standard_normal(z.shape).astype(np.float32) * 0.1)
+    e = jnp.where(layout.in_chunk(), e, 0)
+    z = z.at[0, 3].set(-e[0, 3])  # a == 0 exactly: must map to +1
+    signs, scales, new_e = compression.compress(z + e, layout, layout.padded, layout.in_chunk())
+    a = np.asarray(z, np.float64) + np.asarray(e)
+    assert bool(signs[0, 3])
     np.testing.assert_array_equal(np.asarray(signs), a >= 0)
-    np.testing.assert_allclose(float(scale[0]), np.sqrt(np.mean(a**2)), rtol=1e-6)
-    np.testing.assert_allclose(
-        new_e, a - np.sqrt(np.mean(a**2)) * np.where(a >= 0, 1, -1), atol=1e-6
-    )
+    for leaf, padded in enumerate(layout.padded_leaves(jnp.asarray(a))):
+        rms = np.sqrt(np.mean(np.asarray(padded) ** 2))
+        np.testing.assert_allclose(float(scales[leaf]), rms, rtol=1e-6)
+    column = np.asarray(layout.per_column(scales))
+    np.testing.assert_allclose(new_e, a - column * np.where(a >= 0, 1, -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("magnitude", [1e30, 1e-30, 3e38, 1e-36])
+def test_scales_are_exact_far_outside_the_squares_range(magnitude):
+    """Values whose squares overflow or flush to zero in float32 still get their RMS (down to
+    RMS values in the normal range: XLA:CPU flushes subnormal results to zero)."""
+    x = np.linspace(-1, 1, 64).astype(np.float32) * np.float32(magnitude)
+    layout = flat.Layout.of([x], 1)
+    _, scale = compression.leaf_rms(flat.to_flat([x], layout).buffer, layout, layout.padded)
+    want = np.sqrt(np.mean(np.asarray(x, np.float64) ** 2))
+    np.testing.assert_allclose(float(scale[0]), want, rtol=1e-6)
 
 
 def test_pack_unpack_roundtrip():
@@ -50,9 +100,13 @@ def test_scales_bytes_roundtrip_is_exact():
     np.testing.assert_array_equal(compression.bytes_to_scales(raw), s)
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 8, 1000, 1023])
-def test_pairwise_sum_matches_numpy(n):
-    x = np.random.default_rng(n).standard_normal((3, n)).astype(np.float32)
-    got = compression.pairwise_sum(jnp.asarray(x))
-    assert got.shape == (3, 1)
-    np.testing.assert_allclose(got[:, 0], x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-5)
+def test_leaf_sums_and_per_column_are_segment_operations():
+    rng = np.random.default_rng(2)
+    tree = [rng.standard_normal(s).astype(np.float32) for s in [(17,), (3, 5), (200,)]]
+    layout = flat.Layout.of(tree, 4)
+    buffer = flat.to_flat(tree, layout).buffer
+    sums = np.asarray(layout.leaf_sums(buffer))
+    np.testing.assert_allclose(sums, [leaf.sum() for leaf in tree], rtol=1e-5, atol=1e-5)
+    spread = np.asarray(layout.per_column(jnp.asarray([1.0, 2.0, 3.0])))
+    for leaf, start, columns in zip(range(3), layout.starts, layout.columns):
+        assert np.all(spread[start : start + columns] == leaf + 1)

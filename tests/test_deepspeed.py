@@ -124,8 +124,15 @@ def test_missing_keys_take_deepspeeds_defaults(kind, by_hand):
     assert_same(out, trajectory(by_hand(), steps=20))
     # var_update_scaler = 16: variance steps 1..16, then 18 and 20 at the doubled interval
     if kind == "ZeroOneAdam":
-        assert np.all(out[1].variance_policy.interval == 2)
-        assert np.all(out[1].variance_policy.counter == 2)
+        (scheduled,) = [
+            s
+            for s in jax.tree.leaves(
+                out[1], is_leaf=lambda s: isinstance(s, ozo.ScheduledMeanState)
+            )
+            if isinstance(s, ozo.ScheduledMeanState)
+        ]
+        assert np.all(scheduled.variance_policy.interval == 2)
+        assert np.all(scheduled.variance_policy.counter == 2)
 
 
 def test_backend_keys_are_ignored_and_type_is_case_insensitive(zero_one_by_hand):
@@ -159,13 +166,15 @@ def test_num_workers_and_axis_name_are_forwarded():
     params = [jnp.zeros(s) for s in SHAPES]
     section = {"type": "OneBitAdam", "params": {"freeze_step": 3}}
     state = ozo.from_deepspeed_config(section, axis_name=AXIS, num_workers=4).init(params)
-    (inner,) = [
+    (errors,) = [
         s
-        for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, ozo.OnebitAdamState))
-        if isinstance(s, ozo.OnebitAdamState)
+        for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, ozo.OnebitMeanState))
+        if isinstance(s, ozo.OnebitMeanState)
     ]
-    # error buffers padded for 4 workers: a multiple of 4 * lcm(4, 8) = 32
-    assert [e.shape for e in jax.tree.leaves(inner.comm.worker_error)] == [(32,), (32,)]
+    # error buffers laid out for 4 workers: each leaf padded to a multiple of 4 * lcm(4, 8) = 32
+    layout = errors.worker_error.layout
+    assert layout.num_workers == 4
+    assert [e.shape for e in layout.padded_leaves(errors.worker_error.buffer)] == [(32,), (32,)]
     with pytest.raises(ValueError, match="outside a context that binds axis_name='w'"):
         ozo.from_deepspeed_config(section, axis_name=AXIS).init(params)
 

@@ -90,9 +90,10 @@ def test_schedule_is_evaluated_at_the_count_before_the_update(name):
     tx = OPTIMIZERS[name](schedule)
     x = jnp.ones(3)
     state = tx.init(x)
-    for _ in range(3):
+    for k in range(3):
+        seen.clear()
         _, state = tx.update(jnp.ones(3), state, x)
-    assert seen == [0, 1, 2]
+        assert seen and set(seen) == {k}  # (0/1 Adam also sums the rates of an interval)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

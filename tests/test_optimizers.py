@@ -1,6 +1,8 @@
 """zero_one_adam and onebit_adam against the float64 reference, the schedules, the traffic per
 step kind, the three mappings, and the single-worker limit (Adam without bias correction)."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,12 +104,16 @@ def _copy_ref(ref):
     }
 
 
+class Moments(NamedTuple):
+    mu: list
+    nu: list
+
+
 def inner_state(state):
-    for s in jax.tree.leaves(
-        state, is_leaf=lambda s: isinstance(s, ozo.ZeroOneAdamState | ozo.OnebitAdamState)
-    ):
-        if isinstance(s, ozo.ZeroOneAdamState | ozo.OnebitAdamState):
-            return s
+    """The optimizer's moments as per-leaf arrays (worker axis first)."""
+    for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, ozo.FrozenVarianceAdamState)):
+        if isinstance(s, ozo.FrozenVarianceAdamState):
+            return Moments(s.mu.to_tree(), s.nu.to_tree())
     raise AssertionError("no optimizer state found")
 
 
@@ -160,19 +166,19 @@ def test_workers_agree_after_every_sync():
 
 
 @pytest.mark.parametrize("kind", ["zero_one", "onebit"])
-def test_identical_under_shard_map_pmap_vmap(kind):
-    """pmap and shard_map compile the same per-device program: bitwise equal. vmap batches the
-    elementwise maths, where XLA:CPU may contract multiply-adds into FMAs differently, so it
-    agrees to float rounding (the collective itself is bitwise equal in all three, see
-    test_collective.py); counters and step kinds agree exactly."""
+def test_same_run_under_shard_map_pmap_vmap(kind):
+    """The three mappings follow the same run: float state to rounding (XLA may associate
+    reductions and contract multiply-adds differently in each), counters exactly."""
     runs = {mode: run_against_reference(kind, CASES["wd+schedule+mask"], mode) for mode in MODES}
     for (_, xa, sa, _), (_, xb, sb, _), (_, xc, sc, _) in zip(*runs.values()):
         for a, b, c in zip(*(jax.tree.leaves(t) for t in ((xa, sa), (xb, sb), (xc, sc)))):
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(c), err_msg="pmap/shard_map")
-            if jnp.issubdtype(a.dtype, jnp.integer):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg="vmap")
+            a, b, c = np.asarray(a), np.asarray(b), np.asarray(c)
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-6)
             else:
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+                np.testing.assert_array_equal(a, b)
+                np.testing.assert_array_equal(b, c)
 
 
 def test_exact_schedule_from_the_spec():
@@ -240,27 +246,22 @@ def test_two_dimensional_mesh_reducing_over_one_axis(kind):
         tx = ozo.onebit_adam(0.05, freeze_step=5, axis_name="data")
     mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
     spec = P("data", "model")
+    lead = lambda a: a[None, None]  # noqa: E731 (one state per device: data x model)
 
     def body(x, s, g):
-        x, s, g = jax.tree.map(lambda a: a[0], (x, s, g))
+        x, g = x[0], g[0]
+        s = jax.tree.map(lambda a: a[0, 0], s)
         u, s = tx.update(g, s, x)
-        return jax.tree.map(lambda a: a[None], (optax.apply_updates(x, u), s))
+        return optax.apply_updates(x, u)[None], jax.tree.map(lead, s)
 
     def init(x):
-        return jax.tree.map(lambda a: a[None], tx.init(x[0]))
+        return jax.tree.map(lead, tx.init(x[0]))
 
     sharding = NamedSharding(mesh, spec)
     x = jax.device_put(jnp.ones((2, 16)), sharding)
-    abstract = jax.eval_shape(
-        jax.vmap(tx.init, axis_name="data"), jax.ShapeDtypeStruct((2, 8), jnp.float32)
-    )
-    # buffers: worker axis over "data", values over "model"; counters: one per device
-    state_spec = jax.tree.map(lambda a: spec if a.ndim >= 2 else P(("data", "model")), abstract)
-    state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=spec, out_specs=state_spec))(x)
+    state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=spec, out_specs=spec))(x)
     step = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(spec, state_spec, spec), out_specs=(spec, state_spec)
-        )
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec))
     )
     rng = np.random.default_rng(0)
     for _ in range(STEPS):

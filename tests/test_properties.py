@@ -28,6 +28,7 @@ from workers_util import AXIS
 
 import optax_zero_one as ozo
 from optax_zero_one.collective import init_errors
+from optax_zero_one.flat import Layout, to_flat
 
 CALLS = 24
 EPS32 = float(np.finfo(np.float32).eps)
@@ -84,20 +85,27 @@ def compressed_mean_cases(draw):
 
 def run_compressed_mean(inputs, num_workers):
     """``CALLS`` calls of the compressed mean on ``num_workers`` vmapped workers: every call's
-    outputs and error buffers, with a leading call axis then the worker axis."""
+    outputs and error buffers (per leaf: the padded worker error and the served chunk's error),
+    with a leading call axis then the worker axis."""
+    layout = Layout.of([leaf[0, 0] for leaf in inputs], num_workers)
 
     def worker(z):  # z: list of (CALLS, *shape), this worker's inputs
         def call(errors, zt):
-            out, errors = ozo.compressed_mean(zt, errors, AXIS)
-            return errors, (out, errors)
+            out, errors, _ = ozo.compressed_mean(to_flat(zt, layout), errors, AXIS)
+            return errors, (out.to_tree(), errors)
 
-        _, (outs, errors) = lax.scan(call, init_errors([leaf[0] for leaf in z], num_workers), z)
+        _, (outs, errors) = lax.scan(call, init_errors(layout), z)
         return outs, errors
 
     by_worker = [np.swapaxes(leaf, 0, 1) for leaf in inputs]  # (N, CALLS, ...)
     outs, errors = jax.jit(jax.vmap(worker, axis_name=AXIS))(by_worker)
     swap = lambda a: np.swapaxes(np.asarray(a), 0, 1)  # back to (CALLS, N, ...)
-    return [swap(o) for o in outs], jax.tree.map(swap, errors)
+    if num_workers == 1:
+        empty = [np.zeros((CALLS, 1, 0))] * len(inputs)
+        return [swap(o) for o in outs], (empty, empty)
+    worker_error = [swap(e) for e in layout.padded_leaves(np.asarray(errors.worker_error.buffer))]
+    server_error = [swap(e) for e in layout.chunk_leaves(np.asarray(errors.server_error))]
+    return [swap(o) for o in outs], (worker_error, server_error)
 
 
 @settings(max_examples=10, **SLOW)
@@ -107,8 +115,8 @@ def test_compressed_mean_properties(case):
     outs, errors = run_compressed_mean(inputs, n)
     for leaf, (z, out) in enumerate(zip(inputs, outs)):
         size = z[0, 0].size
-        ew = errors.worker_error[leaf].astype(np.float64)  # (CALLS, N, P)
-        es = errors.server_error[leaf].astype(np.float64)  # (CALLS, N, P / N)
+        ew = errors[0][leaf].astype(np.float64)  # (CALLS, N, P)
+        es = errors[1][leaf].astype(np.float64)  # (CALLS, N, P / N)
 
         # identical, finite output on every worker
         assert np.all(np.isfinite(out))
@@ -220,6 +228,12 @@ def traced(cls, **constants):
 WORKERS = 3
 
 
+def find(state, cls):
+    nodes = jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, cls))
+    (node,) = [s for s in nodes if isinstance(s, cls)]
+    return node
+
+
 @jax.jit
 def run_zero_one(freeze, kappa, alpha, clipper, noise):
     """0/1 Adam on ``WORKERS`` workers for ``STEPS`` steps under the drawn schedule: per step,
@@ -238,9 +252,20 @@ def run_zero_one(freeze, kappa, alpha, clipper, noise):
             kind = ozo.step_kind(state, variance, local)
             updates, state = tx.update(g, state, x)
             x = optax.apply_updates(x, updates)
-            counters = (state.count, *state.variance_policy, *state.local_step_policy)
-            u = state.anchor - x  # the local updates since the last sync
-            return (x, state), (kind, jnp.stack(counters), state.nu, state.comm, u, state.anchor)
+            sync = find(state, ozo.LocalStepSyncState)
+            scheduled = find(state, ozo.ScheduledMeanState)
+            adam = find(state, ozo.FrozenVarianceAdamState)
+            counters = (sync.count, *scheduled.variance_policy, *sync.local_step_policy)
+            anchor = sync.anchor.to_tree()
+            u = anchor - x  # the local updates since the last sync
+            return (x, state), (
+                kind,
+                jnp.stack(counters),
+                adam.nu.buffer,
+                scheduled.errors,
+                u,
+                anchor,
+            )
 
         return lax.scan(step, (params, tx.init(params)), noise)[1]
 

@@ -106,6 +106,16 @@ def test_killed_runs_resume_bitwise_identically(tmp_path):
     assert {int(k): v for k, v in result["resumed"].items()} == third.digests
 
 
+def find_all(state, cls):
+    nodes = jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, cls))
+    return [s for s in nodes if isinstance(s, cls)]
+
+
+def find(state, cls):
+    (node,) = find_all(state, cls)
+    return node
+
+
 def _loss(params):
     _, targets = rw.problem()
     return float(rw.loss_fn(params, targets))
@@ -119,7 +129,8 @@ def test_other_worker_count_fails_clearly_then_resets_and_converges(tmp_path):
     for k in range(1, 31):  # to step 30: phase B, in the middle of a local-step interval
         params, state = step4(params, state, rw.noise(k, 4))
         jax.block_until_ready(params)
-    away = jax.tree.map(lambda a, x: np.any(np.asarray(a) != np.asarray(x)), state.anchor, params)
+    anchor = ozo.synchronized_params(params, state)
+    away = jax.tree.map(lambda a, x: np.any(np.asarray(a) != np.asarray(x)), anchor, params)
     assert any(jax.tree.leaves(away))  # mid-interval: the params left the anchor
     mgr = rw.manager(str(tmp_path / "ckpt"))
     rw.save(mgr, 30, params, state)
@@ -136,13 +147,16 @@ def test_other_worker_count_fails_clearly_then_resets_and_converges(tmp_path):
     restored = rw.restore(mgr, 30, rw.initial(init4, 4), 4)
     params3, state3 = ozo.reset_compression(*restored, fresh[1])
     ozo.check_worker_count((params3, state3), 3)
-    assert jax.tree.map(lambda x: (x.shape, x.dtype), (params3, state3)) == jax.tree.map(
-        lambda x: (x.shape, x.dtype), fresh
-    )
-    assert all(not np.any(np.asarray(e)) for e in jax.tree.leaves(state3.comm))
-    for anchor, x in zip(jax.tree.leaves(state3.anchor), jax.tree.leaves(params3)):
+    assert jax.tree.structure((params3, state3)) == jax.tree.structure(fresh)
+    shapes = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert shapes((params3, state3)) == shapes(fresh)
+    sync3 = find(state3, ozo.LocalStepSyncState)
+    for errors in find_all(state3, ozo.OnebitMeanState):
+        assert all(not np.any(np.asarray(e)) for e in jax.tree.leaves(errors))
+    anchor3 = ozo.synchronized_params(params3, state3)
+    for anchor, x in zip(jax.tree.leaves(anchor3), jax.tree.leaves(params3)):
         np.testing.assert_array_equal(np.asarray(anchor), np.asarray(x))
-    assert np.all(np.asarray(state3.count) == 30) and np.all(np.asarray(state3.lr_sum) == 0)
+    assert np.all(np.asarray(sync3.count) == 30) and np.all(np.asarray(sync3.lr_sum) == 0)
     sync_point = ozo.unreplicate(ozo.synchronized_params(*restored))
     for got, want in zip(jax.tree.leaves(params3), jax.tree.leaves(sync_point)):
         np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(want, np.shape(got)))
@@ -194,5 +208,7 @@ def test_worker_count_and_reset_errors():
     )
     new_params, new = ozo.reset_compression(ozo.replicate(params, 4), old, fresh)
     assert ozo.worker_count((new_params, new)) == 2
-    assert new[0].worker_error["w"].shape == (2, 16) and not np.any(new[0].worker_error["w"])
+    buffer = new[0].worker_error.buffer  # laid out for 2 workers: (2 workers, 2 rows, 8)
+    assert new[0].worker_error.layout.num_workers == 2
+    assert buffer.shape == (2, 2, 8) and not np.any(buffer)
     np.testing.assert_array_equal(new[1][0].trace["w"], np.ones((2, 10)))

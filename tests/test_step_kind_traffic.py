@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 from workers_util import AXIS
 
 import optax_zero_one as ozo
-from benchmarks import common
 
 N = 8
 SHAPES = [(64, 32), (32,), (32, 10), (10,)]
@@ -28,9 +27,13 @@ LOCAL = ozo.LocalStepDoubling(scaler=1, clipper=4)  # syncs 11, 12, 16, 20, ...
 
 def pin(state, k):
     """The state with its counters replaced by Python ints: the update traces one kind only."""
-    if isinstance(state, ozo.ZeroOneAdamState):
-        return common.zero_one_spec("0/1 Adam", ZERO_ONE, VARIANCE, LOCAL).pin(state, k)
-    return common.onebit_spec("1-bit Adam", ONEBIT, ONEBIT_FREEZE).pin(state, k)
+    if any(isinstance(s, ozo.LocalStepSyncState) for s in _nodes(state)):
+        return ozo.pin_step(state, k, VARIANCE, LOCAL)
+    return ozo.pin_step(state, k, ozo.FullPrecisionWarmup(ONEBIT_FREEZE))
+
+
+def _nodes(state):
+    return jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, ozo.LocalStepSyncState))
 
 
 def stats_at(tx, k, inner):
@@ -76,17 +79,24 @@ def test_the_pinned_steps_have_the_intended_kinds():
         state = jax.vmap(ZERO_ONE.init, axis_name=AXIS)([jnp.zeros((N, *s)) for s in SHAPES])
         state = jax.tree.map(lambda x: x[0], state)
         pinned = pin(state, k)
-        live = jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), pinned)
+        live = jax.tree.map(jnp.asarray, pinned)
         kind = ozo.step_kind(pinned, VARIANCE, LOCAL)
         assert isinstance(kind, int) and kind == int(ozo.step_kind(live, VARIANCE, LOCAL))
         kinds[k] = ozo.STEP_KINDS[kind]
     assert kinds == {1: "variance", 3: "compressed", 11: "sync", 13: "local"}
+    assert [ozo.STEP_KINDS[i] for i in ozo.step_kinds(VARIANCE, LOCAL, 13)] == [
+        "variance", "variance", "compressed", "variance", "compressed", "variance",
+        "compressed", "variance", "compressed", "compressed", "sync", "sync", "local",
+    ]  # fmt: skip
 
 
 def assert_float_allreduce(stats):
     assert stats.count() == 1 and stats.count("all-reduce") == 1, stats.table()
     (c,) = stats.collectives
-    assert c.dtypes == ("f32",) and c.payload_bytes == 4 * NUMEL and not c.conditional
+    # the flat buffer: every element, plus each leaf's padding to a multiple of N lcm(N, 8)
+    layout = ozo.Layout.of([jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES], N)
+    assert c.dtypes == ("f32",) and c.payload_bytes == 4 * N * layout.width and not c.conditional
+    assert 4 * NUMEL <= c.payload_bytes <= 1.05 * 4 * NUMEL
 
 
 def assert_one_bit(stats):

@@ -107,5 +107,5 @@ def test_synchronized_params_are_the_params_outside_local_steps():
 def test_synchronized_params_rejects_two_zero_one_states():
     tx = optax.chain(ozo.zero_one_adam(0.1), ozo.zero_one_adam(0.1))
     params = {"w": jnp.zeros(3)}
-    with pytest.raises(ValueError, match="more than one ZeroOneAdamState"):
+    with pytest.raises(ValueError, match="more than one LocalStepSyncState"):
         ozo.synchronized_params(params, tx.init(params))
