@@ -305,33 +305,14 @@ def local_step_sync(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LocalStepSyncState]:
         _checks.check_state_type(state, LocalStepSyncState, "local_step_sync")
-        _checks.check_tree_matches(updates, state.anchor, "updates", "the optimizer state")
-        if params is None:
-            if any(jnp.size(x) for x in jax.tree.leaves(updates)):
-                raise ValueError(
-                    "local_step_sync's update needs the params: update(grads, state, params). A "
-                    "sync sends each worker's distance to the last synchronised point."
-                )
-            params = jax.tree.map(jnp.zeros_like, updates)  # nothing to optimise
-        _checks.check_tree_matches(params, state.anchor, "params", "the optimizer state")
-        workers = _checks.axis_size(axis_name)
+        params = _checked_params(updates, state, params)
+        _checks.axis_size(axis_name)
         if num_workers is not None:
             _checks.resolve_num_workers(axis_name, num_workers)
         k = state.count + 1
         phase_b = k > start_step
         sync = _graph.both(phase_b, local_step_policy.is_sync_step(state.local_step_policy, k))
-        wide = jax.tree.map(lambda p, a: p.astype(a.dtype), params, state.anchor)
-
-        # The first local step: the synchronised point is where every worker is now.
-        def take_anchor(carry: Any) -> Any:
-            return carry[0], carry[0], jnp.ones([], bool)
-
-        wide, anchor, anchored = _graph.run_if(
-            _graph.both(phase_b, _graph.negate(state.anchored)),
-            take_anchor,
-            (wide, state.anchor, state.anchored),
-            like=wide,
-        )
+        x, anchor, anchored = _anchor_at_first_local_step(params, state, phase_b)
 
         # After start_step this worker's gradient is its own: dropped if it is not finite.
         drop = _graph.both(phase_b, jnp.logical_not(_graph.all_finite(updates)))
@@ -339,37 +320,25 @@ def local_step_sync(
         step, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         step = jax.tree.map(lambda d, a: d.astype(a.dtype), step, anchor)
         lr_sum = state.lr_sum + rule.learning_rate_at(state.count)
-        borrowed = rule.errors(inner_state, start_step) is not None
 
         def synchronise(carry: Any) -> Any:
             step, anchor, inner_state, own, x, _ = carry
-            errors = rule.errors(inner_state, start_step) if borrowed else own
-            weight = rule.weight(inner_state)
-            payload = jax.tree.map(lambda a, x, d: a - (x + d), anchor, x, step)
-            if weight is not None:
-                payload = jax.tree.map(jnp.multiply, payload, weight)
-            mean, errors, ok = _compressed(payload, errors, workers)
-            errors = _graph.zero_if(jnp.logical_not(ok), errors, like=payload)
-            moved = mean if weight is None else jax.tree.map(jnp.divide, mean, weight)
-            anchor = jax.tree.map(lambda a, m: jnp.where(ok, a - m, a), anchor, moved)
+            errors = _lent(rule, inner_state, start_step, own)
+            mean, errors, ok = _compressed(_payload(rule, inner_state, anchor, x, step), errors)
+            anchor = _averaged_step(rule, inner_state, anchor, mean, ok)
             inner_state = rule.after_sync(inner_state, mean, lr_sum, ok)
-            if borrowed:
-                inner_state = rule.with_errors(inner_state, errors)
-            else:
-                own = errors
+            inner_state, own = _give_back(rule, inner_state, start_step, own, errors)
             step = jax.tree.map(lambda a, x: jnp.where(ok, a - x, jnp.nan), anchor, x)
             return step, anchor, inner_state, own, x, ok
 
-        carry = (step, anchor, inner_state, state.errors, wide, True)
+        carry = (step, anchor, inner_state, state.errors, x, True)
         step, anchor, inner_state, errors, _, finite = _graph.run_if(
-            sync, synchronise, carry, like=(step, wide)
+            sync, synchronise, carry, like=(step, x)
         )
-
-        # Before local steps begin, the inner transform communicates: check what it returned.
-        def check_step(carry: Any) -> Any:
-            return carry[0], _graph.all_finite(carry[0])
-
-        step, finite = _graph.run_if(_graph.negate(phase_b), check_step, (step, finite), like=step)
+        # Up to start_step the inner transform communicates: check what it returned.
+        step, finite = _graph.run_if(
+            _graph.negate(phase_b), _check_finite, (step, finite), like=step
+        )
         new_state = LocalStepSyncState(
             count=optax.safe_increment(state.count),
             local_step_policy=policies.advance(
@@ -383,15 +352,14 @@ def local_step_sync(
             dropped_local_grads=state.dropped_local_grads + jnp.asarray(drop, jnp.int32),
             inner_state=inner_state,
         )
-        skipped = state._replace(skipped_updates=state.skipped_updates + 1)
-        new_state = _graph.restore_scalars(finite, new_state, skipped)
-        step = jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step)
-        return step, new_state
+        return _skip_unless(finite, step, new_state, state)
 
-    def _compressed(payload: Any, errors: Any, workers: int) -> tuple[Any, Any, jax.Array]:
+    def _compressed(payload: Any, errors: Any) -> tuple[Any, Any, jax.Array]:
         is_flat = isinstance(payload, FlatTree)
+        workers = _checks.axis_size(axis_name)
         values = payload if is_flat else flat.to_flat(payload, layout_of(payload, workers))
         mean, errors, ok = collective_lib.compressed_mean(values, errors, axis_name, collective)
+        errors = _graph.zero_if(jnp.logical_not(ok), errors, like=values.buffer)
         mean = collective_lib.apply_mask(
             collective_lib.flat_mask(mask, values.layout, values.buffer.dtype), mean
         )
@@ -400,3 +368,67 @@ def local_step_sync(
         return mean, errors, ok
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any:
+    _checks.check_tree_matches(updates, state.anchor, "updates", "the optimizer state")
+    if params is None:
+        if any(jnp.size(x) for x in jax.tree.leaves(updates)):
+            raise ValueError(
+                "local_step_sync's update needs the params: update(grads, state, params). A "
+                "sync sends each worker's distance to the last synchronised point."
+            )
+        return jax.tree.map(jnp.zeros_like, updates)  # nothing to optimise
+    _checks.check_tree_matches(params, state.anchor, "params", "the optimizer state")
+    return params
+
+
+def _anchor_at_first_local_step(params: Any, state: LocalStepSyncState, phase_b: Any) -> tuple:
+    """``(x, anchor, anchored)``: the params in the anchor's dtype; at the first step after
+    ``start_step`` the synchronised point is where every worker is now."""
+    x = jax.tree.map(lambda p, a: p.astype(a.dtype), params, state.anchor)
+
+    def take(carry: Any) -> Any:
+        return carry[0], carry[0], jnp.ones([], bool)
+
+    first = _graph.both(phase_b, _graph.negate(state.anchored))
+    return _graph.run_if(first, take, (x, state.anchor, state.anchored), like=x)
+
+
+def _payload(rule: Any, inner_state: Any, anchor: Any, x: Any, step: Any) -> Any:
+    """``u * w``: this worker's distance to the anchor after its local step, weighted."""
+    weight = rule.weight(inner_state)
+    u = jax.tree.map(lambda a, x, d: a - (x + d), anchor, x, step)
+    return u if weight is None else jax.tree.map(jnp.multiply, u, weight)
+
+
+def _averaged_step(rule: Any, inner_state: Any, anchor: Any, mean: Any, ok: jax.Array) -> Any:
+    """The new anchor ``xbar - what / w`` (unchanged if the mean is not finite)."""
+    weight = rule.weight(inner_state)
+    moved = mean if weight is None else jax.tree.map(jnp.divide, mean, weight)
+    return jax.tree.map(lambda a, m: jnp.where(ok, a - m, a), anchor, moved)
+
+
+def _lent(rule: Any, inner_state: Any, start_step: Any, own: Any) -> Any:
+    """The error buffers for a sync: the inner state's, if the rule lends them, else our own."""
+    lent = rule.errors(inner_state, start_step)
+    return own if lent is None else lent
+
+
+def _give_back(rule: Any, inner_state: Any, start_step: Any, own: Any, errors: Any) -> tuple:
+    """``(inner_state, own)`` with the sync's new error buffers stored where they came from."""
+    if rule.errors(inner_state, start_step) is None:
+        return inner_state, errors
+    return rule.with_errors(inner_state, errors), own
+
+
+def _check_finite(carry: tuple) -> tuple:
+    return carry[0], _graph.all_finite(carry[0])
+
+
+def _skip_unless(finite: Any, step: Any, new: LocalStepSyncState, old: LocalStepSyncState) -> tuple:
+    """The update and state of a step, or, if it is not finite, a zero update and the old
+    counters (the buffers were kept by their owners) with the skip counted."""
+    skipped = old._replace(skipped_updates=old.skipped_updates + 1)
+    new = _graph.restore_scalars(finite, new, skipped)
+    return jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step), new
