@@ -29,7 +29,7 @@ from optax_zero_one.checkpoint import check_worker_count, reset_compression, wor
 from optax_zero_one.collective import OnebitMeanState, compressed_mean, float_mean, onebit_mean
 from optax_zero_one.comm_stats import Collective, CommStats, comm_stats, parse_hlo
 from optax_zero_one.deepspeed import from_deepspeed_config
-from optax_zero_one.flat import FlattenState, FlatTree, Layout, flatten
+from optax_zero_one.flat import FlatTree, Layout
 from optax_zero_one.frozen_variance import FrozenVarianceAdamState, scale_by_frozen_variance_adam
 from optax_zero_one.kinds import (
     ONEBIT_STEP_KINDS,
@@ -46,7 +46,6 @@ from optax_zero_one.local_steps import (
     ParamsAverage,
     local_step_sync,
 )
-from optax_zero_one.nonfinite import SkipNotFiniteState, skip_not_finite
 from optax_zero_one.onebit_adam import onebit_adam, scale_by_onebit_adam
 from optax_zero_one.policies import (
     FullPrecisionWarmup,
@@ -60,6 +59,7 @@ from optax_zero_one.policies import (
 )
 from optax_zero_one.scheduled_mean import ScheduledMeanState, scheduled_mean
 from optax_zero_one.workers import replicate, synchronized_params, unreplicate
+from optax_zero_one.wrappers import FlattenState, SkipNotFiniteState, flatten, skip_not_finite
 from optax_zero_one.zero_one_adam import scale_by_zero_one_adam, zero_one_adam
 
 __version__ = "0.2.0"

@@ -31,10 +31,11 @@ import numpy as np
 
 from optax_zero_one import flat, workers
 from optax_zero_one.collective import OnebitMeanState
-from optax_zero_one.flat import FlattenState, FlatTree
+from optax_zero_one.flat import FlatTree
 from optax_zero_one.frozen_variance import FrozenVarianceAdamState
 from optax_zero_one.local_steps import LocalStepSyncState
 from optax_zero_one.scheduled_mean import ScheduledMeanState
+from optax_zero_one.wrappers import FlattenState
 
 
 def worker_count(tree: Any) -> int:

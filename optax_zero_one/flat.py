@@ -25,15 +25,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 
-from optax_zero_one import _checks, _graph
+from optax_zero_one import _checks
 
 _MAX_BLOCKS = 1 << 20  # block tables of at most 4 MiB (int32) per layout
 
@@ -60,13 +59,17 @@ def padded_size(size: int, num_workers: int) -> int:
 class Layout:
     """Where every element of a tree of shapes lives in the ``(N, C)`` buffers (static).
 
+    Two layouts are equal when their leaf shapes and worker counts are: the tree structure is
+    kept for reading a buffer back as a tree, but not compared, so that a state made for a tree
+    of wrapped leaves (e.g. Flax NNX ``Param`` variables) serves updates of plain arrays.
+
     Attributes:
-      treedef: the tree structure of the parameters.
+      treedef: the tree structure of the parameters the layout was made from.
       shapes: the shape of each leaf, in ``jax.tree.leaves`` order.
       num_workers: ``N``, the number of rows.
     """
 
-    treedef: Any
+    treedef: Any = dataclasses.field(compare=False)
     shapes: tuple[tuple[int, ...], ...]
     num_workers: int
 
@@ -146,9 +149,13 @@ class Layout:
         return jax.tree.unflatten(self.treedef, leaves)
 
     def check_tree(self, tree: Any, what: str, where: str) -> None:
-        """Raises a ``ValueError`` naming the leaf if ``tree`` (``what``) is not this layout's
-        tree (made for ``where``)."""
-        _checks.check_tree_matches(tree, self.shape_tree(), what, where)
+        """Raises a ``ValueError`` naming the leaf if ``tree`` (``what``) does not have this
+        layout's leaves (made for ``where``); wrapper nodes around the leaves may differ."""
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != self.num_leaves:
+            _checks.check_tree_matches(tree, self.shape_tree(), what, where)
+        shapes = jax.tree.unflatten(jax.tree.structure(tree), jax.tree.leaves(self.shape_tree()))
+        _checks.check_tree_matches(tree, shapes, what, where)
 
     def check(self, other: Layout, what: str) -> None:
         """Raises a ``ValueError`` explaining how ``other`` (found in ``what``) differs."""
@@ -161,7 +168,7 @@ class Layout:
                 "a checkpoint made with it; see optax_zero_one.check_worker_count)."
             )
         raise ValueError(
-            f"{what} was made for another parameter tree (structure or shapes differ).\n"
+            f"{what} was made for another parameter tree (the leaves' shapes differ).\n"
             f"  state: {other.treedef} with shapes {other.shapes}\n"
             f"  here:  {self.treedef} with shapes {self.shapes}"
         )
@@ -323,14 +330,16 @@ def leaf_offsets(layout: Layout) -> tuple[jax.Array, ...]:
 
 
 def from_flat(flat: FlatTree, offsets: Any, dtypes: Any) -> Any:
-    """The tree a :class:`FlatTree` holds, cut out at ``offsets`` (see :class:`FlattenState`)."""
+    """The tree a :class:`FlatTree` holds, cut out at ``offsets`` (see
+    :class:`~optax_zero_one.FlattenState`), with the structure and dtypes of ``dtypes`` (a tree
+    of dtypes)."""
     layout = flat.layout
     leaves = []
     for i, (shape, dtype) in enumerate(zip(layout.shapes, jax.tree.leaves(dtypes))):
         chunk, size = int(layout.chunks[i]), int(layout.sizes[i])
         piece = lax.dynamic_slice_in_dim(flat.buffer, offsets[i], chunk, axis=1)
         leaves.append(piece.reshape(-1)[:size].reshape(shape).astype(dtype))
-    return jax.tree.unflatten(layout.treedef, leaves)
+    return jax.tree.unflatten(jax.tree.structure(dtypes), leaves)
 
 
 def find_layout(tree: Any) -> Layout | None:
@@ -339,97 +348,3 @@ def find_layout(tree: Any) -> Layout | None:
         if isinstance(node, FlatTree):
             return node.layout
     return None
-
-
-class FlattenState(NamedTuple):
-    """State of :func:`flatten`.
-
-    Attributes:
-      offsets: the first column of each leaf in the flat buffers, one int32 scalar per leaf.
-        Static facts kept as data on purpose: the program cuts the updates out of the flat
-        buffer at offsets it reads at run time, so XLA compiles one kernel per leaf *shape*
-        rather than one per leaf (with constant offsets every cut is a distinct kernel, which
-        made compile time grow with the leaf count; ``docs/design.md``). They never change.
-      inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
-    """
-
-    offsets: tuple
-    inner_state: optax.OptState
-
-
-def flatten(
-    inner: optax.GradientTransformation,
-    axis_name: str | None = None,
-    num_workers: int | None = None,
-) -> optax.GradientTransformationExtraArgs:
-    r"""Runs ``inner`` on the whole tree as one flat buffer per worker (like ``optax.flatten``).
-
-    On the way in, the updates (and the params, when given) become :class:`FlatTree`\ s in the
-    worker-major layout for the ``N`` workers of ``axis_name``; ``inner`` sees those, and its
-    state holds flat buffers too; on the way out the updates are cut back into the tree, in the
-    params' dtypes (the updates' when no params are given). Elementwise transforms are
-    unaffected; the compressed mean (:func:`~optax_zero_one.onebit_mean` and the transforms
-    built on it) reads the leaf boundaries from the layout, so per-leaf scales and padding are
-    exactly those of the unflattened tree. What changes is the program: a handful of operations
-    on a few large buffers, whatever the number of leaves.
-
-    Args:
-      inner: the transformation to run on flat buffers.
-      axis_name: the worker axis the layout is made for (``None``: one worker).
-      num_workers: needed only when ``init`` runs outside the mapped context.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs`` with state :class:`FlattenState`.
-
-    Example:
-      >>> tx = flatten(optax.chain(onebit_mean("w"), optax.sgd(0.1)), axis_name="w")
-
-    References:
-      ``optax.flatten`` is the precedent (a single flat vector, no layout).
-    """
-    _checks.check_axis_name(axis_name)
-
-    def layout_for(tree: Any, workers: int) -> Layout:
-        return Layout.of(tree, workers)
-
-    def init_fn(params: optax.Params) -> FlattenState:
-        _checks.check_float_leaves(params, "params")
-        workers = _checks.resolve_num_workers(axis_name, num_workers)
-        layout = layout_for(params, workers)
-        state = FlattenState(leaf_offsets(layout), inner.init(to_flat(params, layout)))
-        return _graph.worker_state(state, axis_name)
-
-    def update_fn(
-        updates: optax.Updates,
-        state: FlattenState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, FlattenState]:
-        _checks.check_state_type(state, FlattenState, "this optimizer")
-        workers = _checks.axis_size(axis_name)
-        if num_workers is not None:
-            _checks.resolve_num_workers(axis_name, num_workers)
-        stored = find_layout(state.inner_state)
-        if stored is not None:
-            stored.check_tree(updates, "updates", "the optimizer state")
-            if params is not None:
-                stored.check_tree(params, "params", "the optimizer state")
-        layout = layout_for(updates, workers)
-        if stored is not None:
-            layout.check(stored, "The optimizer state")
-        _checks.check_float_leaves(updates, "updates")
-        if params is not None:
-            _checks.check_tree_matches(params, updates, "params", "updates")
-        dtype = compute_dtype(updates if params is None else params)
-        flat_params = None if params is None else to_flat(params, layout, dtype)
-        from optax_zero_one import kinds  # noqa: PLC0415 (kinds knows the transforms' states)
-
-        inner_state = kinds.share_counters(state.inner_state, axis_name)
-        flat_updates, inner_state = inner.update(
-            to_flat(updates, layout, dtype), inner_state, flat_params, **extra_args
-        )
-        dtypes = jax.tree.map(lambda x: jnp.result_type(x), updates if params is None else params)
-        out = from_flat(flat_updates, state.offsets, dtypes)
-        return out, FlattenState(state.offsets, inner_state)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

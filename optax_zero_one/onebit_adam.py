@@ -17,11 +17,11 @@ from typing import Any
 
 import optax
 
-from optax_zero_one import _checks, flat, policies
+from optax_zero_one import _checks, policies
 from optax_zero_one import collective as collective_lib  # `collective` names the backend
 from optax_zero_one.frozen_variance import scale_by_frozen_variance_adam
-from optax_zero_one.nonfinite import skip_not_finite
 from optax_zero_one.scheduled_mean import scheduled_mean
+from optax_zero_one.wrappers import flatten, skip_not_finite
 
 
 def scale_by_onebit_adam(
@@ -90,7 +90,7 @@ def scale_by_onebit_adam(
     if learning_rate is not None:
         steps.append(optax.scale_by_learning_rate(learning_rate))
     guarded = skip_not_finite(optax.chain(*steps))
-    return flat.flatten(guarded, axis_name=axis_name, num_workers=num_workers)
+    return flatten(guarded, axis_name=axis_name, num_workers=num_workers)
 
 
 def _decayed_weights(weight_decay: float) -> optax.GradientTransformation:

@@ -70,8 +70,8 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
         raise ValueError("opt_state holds more than one LocalStepSyncState; pass the one to use.")
     state = found[0]
     anchor = state.anchor
-    if isinstance(anchor, FlatTree):
-        anchor = anchor.to_tree()
+    if isinstance(anchor, FlatTree):  # in the params' structure (wrapper nodes may differ)
+        anchor = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(anchor.to_tree()))
     anchored = jnp.asarray(state.anchored)
 
     def pick(x: Any, a: Any) -> Any:

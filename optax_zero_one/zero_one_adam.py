@@ -21,11 +21,12 @@ from typing import Any
 
 import optax
 
-from optax_zero_one import _checks, flat, policies
+from optax_zero_one import _checks, policies
 from optax_zero_one import collective as collective_lib  # `collective` names the backend
 from optax_zero_one.frozen_variance import scale_by_frozen_variance_adam
 from optax_zero_one.local_steps import FrozenAdamSync, local_step_sync
 from optax_zero_one.scheduled_mean import scheduled_mean
+from optax_zero_one.wrappers import flatten
 
 
 def scale_by_zero_one_adam(
@@ -104,7 +105,7 @@ def scale_by_zero_one_adam(
         rule=FrozenAdamSync(learning_rate, eps, variance_policy),
         **shared,
     )
-    return flat.flatten(synced, axis_name=axis_name, num_workers=num_workers)
+    return flatten(synced, axis_name=axis_name, num_workers=num_workers)
 
 
 def zero_one_adam(

@@ -1,0 +1,174 @@
+"""Wrappers around whole transforms: one flat buffer per worker, and skipping non-finite steps.
+
+- :func:`flatten` runs a transform on the worker-major flat layout (``docs/design.md``, "The
+  flat layout"), converting once on the way in and once on the way out, so that the compiled
+  program does not grow with the number of leaves. ``optax.flatten`` is the precedent.
+- :func:`skip_not_finite` keeps a step only if its update is finite, for transforms that
+  communicate on every step (1-bit Adam); ``optax.apply_if_finite`` is the single-device
+  precedent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_zero_one import _checks, _graph, kinds
+from optax_zero_one.flat import Layout, compute_dtype, find_layout, from_flat, leaf_offsets, to_flat
+
+
+class FlattenState(NamedTuple):
+    """State of :func:`flatten`.
+
+    Attributes:
+      offsets: the first column of each leaf in the flat buffers, one int32 scalar per leaf.
+        Static facts kept as data on purpose: the program cuts the updates out of the flat
+        buffer at offsets it reads at run time, so XLA compiles one kernel per leaf *shape*
+        rather than one per leaf (with constant offsets every cut is a distinct kernel, which
+        made compile time grow with the leaf count; ``docs/design.md``). They never change.
+      inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
+    """
+
+    offsets: tuple
+    inner_state: optax.OptState
+
+
+def flatten(
+    inner: optax.GradientTransformation,
+    axis_name: str | None = None,
+    num_workers: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Runs ``inner`` on the whole tree as one flat buffer per worker (like ``optax.flatten``).
+
+    On the way in, the updates (and the params, when given) become :class:`FlatTree`\ s in the
+    worker-major layout for the ``N`` workers of ``axis_name``; ``inner`` sees those, and its
+    state holds flat buffers too; on the way out the updates are cut back into the tree, in the
+    params' dtypes (the updates' when no params are given). Elementwise transforms are
+    unaffected; the compressed mean (:func:`~optax_zero_one.onebit_mean` and the transforms
+    built on it) reads the leaf boundaries from the layout, so per-leaf scales and padding are
+    exactly those of the unflattened tree. What changes is the program: a handful of operations
+    on a few large buffers, whatever the number of leaves.
+
+    Args:
+      inner: the transformation to run on flat buffers.
+      axis_name: the worker axis the layout is made for (``None``: one worker).
+      num_workers: needed only when ``init`` runs outside the mapped context.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`FlattenState`.
+
+    Example:
+      >>> tx = flatten(optax.chain(onebit_mean("w"), optax.sgd(0.1)), axis_name="w")
+
+    References:
+      ``optax.flatten`` is the precedent (a single flat vector, no layout).
+    """
+    _checks.check_axis_name(axis_name)
+
+    def layout_for(tree: Any, workers: int) -> Layout:
+        return Layout.of(tree, workers)
+
+    def init_fn(params: optax.Params) -> FlattenState:
+        _checks.check_float_leaves(params, "params")
+        workers = _checks.resolve_num_workers(axis_name, num_workers)
+        layout = layout_for(params, workers)
+        state = FlattenState(leaf_offsets(layout), inner.init(to_flat(params, layout)))
+        return _graph.worker_state(state, axis_name)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: FlattenState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, FlattenState]:
+        _checks.check_state_type(state, FlattenState, "this optimizer")
+        workers = _checks.axis_size(axis_name)
+        if num_workers is not None:
+            _checks.resolve_num_workers(axis_name, num_workers)
+        stored = find_layout(state.inner_state)
+        if stored is not None:
+            stored.check_tree(updates, "updates", "the optimizer state")
+            if params is not None:
+                stored.check_tree(params, "params", "the optimizer state")
+        layout = layout_for(updates, workers)
+        if stored is not None:
+            layout.check(stored, "The optimizer state")
+        _checks.check_float_leaves(updates, "updates")
+        if params is not None and len(jax.tree.leaves(params)) != len(jax.tree.leaves(updates)):
+            _checks.check_tree_matches(params, updates, "params", "updates")
+        dtype = compute_dtype(updates if params is None else params)
+        flat_params = None if params is None else to_flat(params, layout, dtype)
+        inner_state = kinds.share_counters(state.inner_state, axis_name)
+        flat_updates, inner_state = inner.update(
+            to_flat(updates, layout, dtype), inner_state, flat_params, **extra_args
+        )
+        # the updates' structure, the params' dtypes
+        dtypes = jax.tree.unflatten(
+            jax.tree.structure(updates),
+            [jnp.result_type(x) for x in jax.tree.leaves(updates if params is None else params)],
+        )
+        out = from_flat(flat_updates, state.offsets, dtypes)
+        return out, FlattenState(state.offsets, inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class SkipNotFiniteState(NamedTuple):
+    """State of :func:`skip_not_finite`.
+
+    Attributes:
+      skipped_updates: int32, the steps skipped because the update was not finite.
+      inner_state: the wrapped transform's state (unchanged by a skipped step).
+    """
+
+    skipped_updates: jax.Array
+    inner_state: optax.OptState
+
+
+def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Runs ``inner`` and keeps its result only if the update is finite.
+
+    ::
+
+        u, s' = inner(g, s)
+        finite:      return u, s'
+        otherwise:   return 0, s        (skipped_updates += 1)
+
+    Every worker skips together if ``inner`` averages across workers before producing ``u``
+    (a non-finite value then reaches every worker); wrap only such transforms. The wrapper
+    restores every counter of the inner state; the buffers must be kept by the transforms that
+    own them, as this library's do when their input is not finite (restoring a buffer afterwards
+    would cost a pass over it on every step).
+
+    Args:
+      inner: the transformation to guard.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`SkipNotFiniteState`.
+
+    Example:
+      >>> tx = skip_not_finite(optax.chain(scheduled_mean("w", policy), optax.sgd(0.1)))
+    """
+
+    def init_fn(params: optax.Params) -> SkipNotFiniteState:
+        return SkipNotFiniteState(jnp.zeros([], jnp.int32), inner.init(params))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: SkipNotFiniteState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, SkipNotFiniteState]:
+        _checks.check_state_type(state, SkipNotFiniteState, "skip_not_finite")
+        step, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        finite = _graph.all_finite(step)
+        kept = SkipNotFiniteState(state.skipped_updates, inner_state)
+        skipped = SkipNotFiniteState(state.skipped_updates + 1, state.inner_state)
+        new_state = _graph.restore_scalars(finite, kept, skipped)
+        step = jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step)
+        return step, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
