@@ -253,3 +253,33 @@ def test_init_state_has_the_update_state_types(mode):
 
     out = mapped(both, mode, n)(x, g)
     assert jax.tree.structure(out) == jax.tree.structure(mapped(tx.init, mode, n)(x))
+
+
+def test_flax_nnx_optimizer_drives_zero_one_adam():
+    """nnx.Optimizer inits on Param-wrapped leaves and updates with plain gradients: the same
+    run as the functional optimizer on the model's arrays."""
+    from flax import nnx
+
+    def make():
+        return nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+    tx = ozo.zero_one_adam(0.05, **ZERO_ONE)
+    model = make()
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    params = jax.tree.map(jnp.asarray, nnx.to_pure_dict(nnx.state(make(), nnx.Param)))
+    state = tx.init(params)
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+
+    def loss(m):
+        return jnp.sum(m(x) ** 2)
+
+    for _ in range(12):
+        optimizer.update(model, nnx.grad(loss)(model))
+        grads = jax.grad(lambda p: jnp.sum((x @ p["kernel"] + p["bias"]) ** 2))(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for key in ("kernel", "bias"):
+        np.testing.assert_allclose(got[key], params[key], rtol=1e-6, atol=1e-7)
+    synced = ozo.synchronized_params(nnx.state(model, nnx.Param), optimizer.opt_state)
+    assert jax.tree.structure(synced) == jax.tree.structure(nnx.state(model, nnx.Param))
