@@ -24,18 +24,13 @@
    latency-bandwidth **projection** of step time on 10/40/100 Gbit/s Ethernet and 200 Gbit/s
    InfiniBand.
 
-Compile cost. Compile time grows with the number of leaves (the compressed mean emits a few
-hundred HLO ops per leaf): a BERT-Large compressed-step program takes minutes to compile on a
-shared 2-core machine. Hence by default (``--programs shared``) every step kind of every
-optimizer is compiled at the smallest ``N`` only, where programs of the same communication class
-are checked to send identical collectives; at the other ``N`` one program per class is compiled
-(Adam's step for the float all-reduce, 1-bit Adam's compressed step for the 1-bit collective;
-the local step, which has no collective, is not recompiled). ``--programs all`` compiles every
-kind at every ``N``. Programs are compiled with ``FAST_COMPILE`` (no LLVM optimisation of the
-generated code; ``--full-compile`` to turn it off). Stats are cached per (model, N, optimizer,
-kind) within the run and in ``results/comm_volume_cache.json`` across runs, keyed by a hash of
-the library's source and everything else a program depends on: an interrupted run resumes, and
-a rerun against an unchanged library compiles nothing (``--cache ''`` to disable).
+Compile cost. Every step kind of every optimizer is compiled at every ``N`` (a BERT-Large
+program compiles in seconds since the optimizers work on flat buffers). Programs are compiled
+with ``FAST_COMPILE`` (no LLVM optimisation of the generated code; ``--full-compile`` to turn it
+off). Stats are cached per (model, N, optimizer, kind) within the run and in
+``results/comm_volume_cache.json`` across runs, keyed by a hash of the library's source and
+everything else a program depends on: an interrupted run resumes, and a rerun against an
+unchanged library compiles nothing (``--cache ''`` to disable).
 
 Writes ``results/comm_volume.json`` and ``results/comm_volume.png`` (cumulative bytes per
 worker over the run, log scale).
@@ -79,11 +74,10 @@ import optax  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
 from benchmarks import common, model_trees  # noqa: E402
-from optax_zero_one.compression import padded_size  # noqa: E402
 
 ADAM, ONEBIT, ZERO_ONE = "Adam", "1-bit Adam", "0/1 Adam"
 OPTIMIZERS = (ADAM, ONEBIT, ZERO_ONE)
-KIND_NAMES = {ADAM: ("step",), ONEBIT: ("warmup", "compressed"), ZERO_ONE: ozo.STEP_KINDS}
+KIND_NAMES = {ADAM: ("step",), ONEBIT: ozo.ONEBIT_STEP_KINDS, ZERO_ONE: ozo.STEP_KINDS}
 
 # Communication classes, and the class ALGORITHM.md says each step kind must be.
 FLOAT, ONE_BIT, SILENT = "float all-reduce", "1-bit", "none"
@@ -96,8 +90,6 @@ EXPECTED = {
     (ZERO_ONE, "local"): SILENT,
     (ZERO_ONE, "sync"): ONE_BIT,
 }
-# The program compiled for a class at the larger N in "shared" mode.
-REPRESENTATIVE = {FLOAT: (ADAM, "step"), ONE_BIT: (ONEBIT, "compressed")}
 
 # DeepSpeed's engine all-reduces full-precision gradients in buckets of this many elements
 # (its default ``allreduce_bucket_size``, 5e8): one launch per bucket.
@@ -145,12 +137,13 @@ class Schedule:
 def step_kinds(schedule: Schedule) -> dict[str, np.ndarray]:
     """The kind (index into :data:`KIND_NAMES`) of every step of the run, per optimizer.
 
-    0/1 Adam's come from walking the same policy objects the optimizer is built with.
+    From the library (:func:`optax_zero_one.step_kinds`, which walks the same policy objects
+    the optimizer is built with, and :func:`optax_zero_one.onebit_step_kinds`).
     """
     return {
         ADAM: np.zeros(schedule.steps, np.int8),
-        ONEBIT: common.onebit_kinds(schedule.onebit_freeze_step, schedule.steps),
-        ZERO_ONE: common.zero_one_kinds(
+        ONEBIT: ozo.onebit_step_kinds(schedule.onebit_freeze_step, schedule.steps),
+        ZERO_ONE: ozo.step_kinds(
             schedule.variance_policy(), schedule.local_step_policy(), schedule.steps
         ),
     }
@@ -263,21 +256,12 @@ def compile_kind(
     )
 
 
-def _signature(s: KindStats) -> tuple:
-    """What must agree between programs of one class: collective kinds and dtypes, launches and
-    bytes. (Not how XLA's combiner splits a payload between launches: that differs between
-    programs sending the same bytes.)"""
-    kinds = tuple(sorted((c["kind"], tuple(c["dtypes"])) for c in s.collectives))
-    return kinds, s.launches, round(s.sent_bytes)
-
-
 class Accountant:
     """Compiles (and caches) the per-kind traffic of each optimizer for a model and ``N``.
 
     Args:
       params: one worker's parameter tree (``jax.ShapeDtypeStruct``).
       schedule: the run (fixes the optimizers' hyperparameters and the first step of each kind).
-      programs: ``"all"`` (every kind at every ``N``) or ``"shared"`` (see the module docstring).
       compiler_options: passed to XLA (default: ``common.FAST_COMPILE``).
       progress: called with one line per compiled program.
       label: the model's name, for progress lines and cache keys.
@@ -291,15 +275,12 @@ class Accountant:
         self,
         params: Any,
         schedule: Schedule,
-        programs: str = "shared",
         compiler_options: dict[str, Any] | None = common.FAST_COMPILE,
         progress: Callable[[str], None] = print,
         label: str = "",
         cache_path: str | os.PathLike | None = None,
     ) -> None:
-        if programs not in ("all", "shared"):
-            raise ValueError(f"programs must be 'all' or 'shared', got {programs!r}")
-        self.params, self.schedule, self.programs = params, schedule, programs
+        self.params, self.schedule = params, schedule
         self.compiler_options, self.progress, self.label = compiler_options, progress, label
         self.kinds = step_kinds(schedule)
         self.first_step = {
@@ -308,7 +289,6 @@ class Accountant:
             for kind, step in common.first_step_of_each_kind(seq).items()
         }
         self.cache: dict[tuple[int, str, str], KindStats] = {}
-        self.reference_n: int | None = None
         self.compiled = 0
         self.cache_path = pathlib.Path(cache_path) if cache_path else None
         self.disk: dict[str, dict] = {}
@@ -352,41 +332,7 @@ class Accountant:
     def per_kind(self, n: int) -> dict[tuple[str, str], KindStats]:
         """``{(optimizer, kind): KindStats}`` for every kind that occurs in the run, at ``N``."""
         needed = sorted(self.first_step, key=lambda ok: (OPTIMIZERS.index(ok[0]), ok[1]))
-        if self.programs == "all" or self.reference_n is None or n == self.reference_n:
-            out = {ok: self._compile(n, *ok) for ok in needed}
-            if self.reference_n is None:
-                self.reference_n = n
-                self._check_classes_agree(out)
-            return out
-        out = {}
-        for ok in needed:
-            reference = self.cache[(self.reference_n, *ok)]
-            cls = reference.comm_class
-            if cls == SILENT:
-                out[ok] = dataclasses.replace(reference, compile_s=0.0, compile_cpu_s=0.0)
-            elif cls in REPRESENTATIVE and REPRESENTATIVE[cls] in self.first_step:
-                shared = self._compile(n, *REPRESENTATIVE[cls])
-                reused = ok != REPRESENTATIVE[cls]
-                out[ok] = (
-                    dataclasses.replace(shared, compile_s=0.0, compile_cpu_s=0.0)
-                    if reused
-                    else shared
-                )
-            else:
-                out[ok] = self._compile(n, *ok)
-        return out
-
-    def _check_classes_agree(self, stats: dict[tuple[str, str], KindStats]) -> None:
-        """In shared mode, programs of one class must send identical collectives."""
-        if self.programs != "shared":
-            return
-        by_class: dict[str, set] = {}
-        for s in stats.values():
-            by_class.setdefault(s.comm_class, set()).add(_signature(s))
-        mixed = [cls for cls, sigs in by_class.items() if len(sigs) > 1]
-        if mixed:
-            self.progress(f"  classes {mixed} differ between programs: compiling every kind")
-            self.programs = "all"
+        return {ok: self._compile(n, *ok) for ok in needed}
 
 
 def _fingerprint(params: Any, schedule: Schedule, options: Any, label: str) -> str:
@@ -451,16 +397,28 @@ def summarize(
     return rows
 
 
-def one_bit_limit(leaf_sizes: Sequence[int], num_workers: int) -> dict[str, float]:
+def one_bit_limit(
+    leaf_sizes: Sequence[int], num_workers: int, layout: ozo.Layout | None = None
+) -> dict[str, float]:
     """Bytes per worker of one fused 1-bit step, split into the information limit and overheads.
 
     ``limit = 2 (N-1)/N numel/8`` (one bit per element in each phase); padding: each leaf is
-    padded to a multiple of ``N lcm(N, 8)``; scales: 4 bytes per leaf and worker, sent to all
-    ``N`` workers in the all-to-all and gathered from all in the all-gather.
+    padded to a multiple of ``N lcm(N, 8)`` and each of its ``N`` chunks to a multiple of the
+    layout's block size ``B`` (:class:`optax_zero_one.Layout`: 8 below ~8M parameters per
+    worker row, then larger), so one phase sends ``N C / 8`` bytes of signs in all (``C`` the
+    layout's width); scales: 4 bytes per leaf and worker, sent to all ``N`` workers in the
+    all-to-all and gathered from all in the all-gather.
+
+    Args:
+      leaf_sizes: elements of each leaf (used to build the layout when none is given).
+      num_workers: ``N``.
+      layout: the tree's :class:`optax_zero_one.Layout` for ``N`` workers (default: one of
+        1-D leaves of ``leaf_sizes``, which has the same columns).
     """
     n, leaves = num_workers, len(leaf_sizes)
+    layout = layout or ozo.Layout.of([jax.ShapeDtypeStruct((int(s),), "f4") for s in leaf_sizes], n)
     numel = sum(leaf_sizes)
-    padded = sum(padded_size(s, n) for s in leaf_sizes)
+    padded = n * layout.width
     limit = 2 * (n - 1) / n * numel / 8
     padding = 2 * (n - 1) / n * (padded - numel) / 8
     scales = (n - 1) / n * n * 4 * leaves + (n - 1) * 4 * leaves
@@ -612,7 +570,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--var-update-scaler", type=int, default=d.var_update_scaler)
     p.add_argument("--local-step-scaler", type=int, default=d.local_step_scaler)
     p.add_argument("--local-step-clipper", type=int, default=d.local_step_clipper)
-    p.add_argument("--programs", choices=["shared", "all"], default="shared")
     p.add_argument("--full-compile", action="store_true", help="XLA's default LLVM optimisation")
     p.add_argument(
         "--compute-time",
@@ -687,7 +644,6 @@ def main(argv: list[str] | None = None) -> dict:
         "library": _library_version(),
         "schedule": dataclasses.asdict(schedule),
         "step_kinds": counts,
-        "programs": args.programs,
         "compiler_options": options,
         "projection_assumptions": {
             "compute_s_per_step": args.compute_time
@@ -704,9 +660,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = [leaf.size for leaf in jax.tree.leaves(tree)]
         info = {"numel": sum(sizes), "leaves": len(sizes)}
         print(f"\n{model}: {info['numel']:,} parameters, {info['leaves']} leaves", flush=True)
-        acct = Accountant(
-            tree, schedule, args.programs, options, label=model, cache_path=args.cache
-        )
+        acct = Accountant(tree, schedule, options, label=model, cache_path=args.cache)
         acct.progress = lambda line: print(line, flush=True)
         per_n, limits, projections, programs = {}, {}, {}, {}
         for n in workers:

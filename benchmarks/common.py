@@ -108,63 +108,37 @@ class OptimizerSpec:
     pin: Callable[[Any, int], Any] | None = None
 
 
-def _replace_state(state: Any, cls: type, fn: Callable[[Any], Any]) -> Any:
-    """Applies ``fn`` to every ``cls`` node of an optimizer state tree (e.g. inside a chain)."""
-    return jax.tree.map(
-        lambda s: fn(s) if isinstance(s, cls) else s, state, is_leaf=lambda s: isinstance(s, cls)
-    )
-
-
-def _find_state(state: Any, cls: type) -> Any:
-    found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, cls))]
-    found = [s for s in found if isinstance(s, cls)]
-    if len(found) != 1:
-        raise ValueError(f"expected one {cls.__name__} in the optimizer state, found {len(found)}")
-    return found[0]
-
-
 def zero_one_spec(
     name: str,
     tx: optax.GradientTransformation,
     variance_policy: ozo.VariancePolicy,
     local_step_policy: ozo.LocalStepPolicy,
 ) -> OptimizerSpec:
-    """Step kinds and pinning for a transform holding one :class:`~optax_zero_one.ZeroOneAdamState`
-    driven by the given policies."""
-
-    def kind(state: Any) -> Any:
-        return ozo.step_kind(_find_state(state, ozo.ZeroOneAdamState), variance_policy,
-                             local_step_policy)  # fmt: skip
-
-    def pin(state: Any, k: int) -> Any:
-        vs, ls = variance_policy.init(), local_step_policy.init()
-        for step in range(1, k):
-            if step <= variance_policy.freeze_step:
-                vs = variance_policy.next(vs, step)
-            else:
-                ls = local_step_policy.next(ls, step)
-        vs, ls = (jax.tree.map(int, s) for s in (vs, ls))
-        return _replace_state(
-            state,
-            ozo.ZeroOneAdamState,
-            lambda s: s._replace(count=k - 1, variance_policy=vs, local_step_policy=ls),
-        )
-
-    return OptimizerSpec(name, tx, False, ozo.STEP_KINDS, kind, pin)
+    """0/1 Adam's step kinds (:data:`optax_zero_one.STEP_KINDS`) and pinning, for a transform
+    built with the given policies: :func:`optax_zero_one.step_kind` and
+    :func:`optax_zero_one.pin_step`."""
+    return OptimizerSpec(
+        name,
+        tx,
+        False,
+        ozo.STEP_KINDS,
+        lambda state: ozo.step_kind(state, variance_policy, local_step_policy),
+        lambda state, k: ozo.pin_step(state, k, variance_policy, local_step_policy),
+    )
 
 
 def onebit_spec(name: str, tx: optax.GradientTransformation, freeze_step: int) -> OptimizerSpec:
-    """Step kinds (``warmup``, ``compressed``) and pinning for a transform holding one
-    :class:`~optax_zero_one.OnebitAdamState` with warm-up length ``freeze_step``."""
-
-    def kind(state: Any) -> Any:
-        count = _find_state(state, ozo.OnebitAdamState).count
-        return jnp.asarray(count + 1 > freeze_step).astype(jnp.int32)
-
-    def pin(state: Any, k: int) -> Any:
-        return _replace_state(state, ozo.OnebitAdamState, lambda s: s._replace(count=k - 1))
-
-    return OptimizerSpec(name, tx, False, ("warmup", "compressed"), kind, pin)
+    """1-bit Adam's step kinds (:data:`optax_zero_one.ONEBIT_STEP_KINDS`: warm-up, compressed)
+    and pinning, for a transform with warm-up length ``freeze_step``."""
+    warmup = ozo.FullPrecisionWarmup(freeze_step)
+    return OptimizerSpec(
+        name,
+        tx,
+        False,
+        ozo.ONEBIT_STEP_KINDS,
+        lambda state: ozo.step_kind(state, warmup),
+        lambda state, k: ozo.pin_step(state, k, warmup),
+    )
 
 
 def make_step(
@@ -301,34 +275,6 @@ def worker_specs(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)), x.dtype, sharding=sharding), tree
     )
-
-
-def zero_one_kinds(
-    variance_policy: ozo.VariancePolicy, local_step_policy: ozo.LocalStepPolicy, num_steps: int
-) -> np.ndarray:
-    """The kind (index into :data:`optax_zero_one.STEP_KINDS`) of each step ``1..num_steps``.
-
-    Walks the optimizer's own policy objects once, advancing them as the optimizer does (the
-    variance policy through phase A, the local-step policy through phase B), and lets
-    :func:`optax_zero_one.step_kind` decide each step from the Python-int counters.
-    """
-    vs, ls = variance_policy.init(), local_step_policy.init()
-    blank = ozo.ZeroOneAdamState(*[None] * len(ozo.ZeroOneAdamState._fields))
-    kinds = np.empty(num_steps, dtype=np.int8)
-    for k in range(1, num_steps + 1):
-        state = blank._replace(count=k - 1, variance_policy=vs, local_step_policy=ls)
-        kinds[k - 1] = ozo.step_kind(state, variance_policy, local_step_policy)
-        if k <= variance_policy.freeze_step:
-            vs = variance_policy.next(vs, k)
-        else:
-            ls = local_step_policy.next(ls, k)
-    return kinds
-
-
-def onebit_kinds(freeze_step: int, num_steps: int) -> np.ndarray:
-    """1-bit Adam's kind of each step ``1..num_steps``: 0 (warm-up) up to ``freeze_step``, then
-    1 (compressed)."""
-    return (np.arange(1, num_steps + 1) > freeze_step).astype(np.int8)
 
 
 # XLA:CPU option that makes a compile for accounting ~2x faster (10 leaves of the compressed mean:

@@ -282,7 +282,7 @@ def run(cfg: Config, progress: bool = True) -> dict[str, Any]:
             "var_update_scaler": variance.update_scaler,
             "local_step_scaler": local.scaler,
             "local_step_clipper": local.clipper,
-            "variance_steps": [int(k) for k in ozo.variance_steps(variance, cfg.steps)],
+            "variance_steps": [int(k) for k in kind_steps(cfg, "variance")],
             "scaling": (
                 f"freeze = {cfg.freeze:g} T, alpha = {cfg.local_scaler:g} T, kappa = {cfg.kappa}, "
                 f"H = {cfg.clipper} for T = {cfg.steps} (DeepSpeed BERT: F = 23,000, kappa = 16, "
@@ -295,6 +295,14 @@ def run(cfg: Config, progress: bool = True) -> dict[str, Any]:
         "cpu_seconds": round(time.process_time() - cpu, 1),
     }
     return result
+
+
+def kind_steps(cfg: Config, kind: str) -> np.ndarray:
+    """The 1-based steps of 0/1 Adam's ``kind`` in a run of ``cfg`` (from the policies alone,
+    :func:`optax_zero_one.step_kinds`)."""
+    variance, local = cfg.policies()
+    kinds = ozo.step_kinds(variance, local, cfg.steps)
+    return np.flatnonzero(kinds == ozo.STEP_KINDS.index(kind)) + 1
 
 
 def summarize(runs: dict[str, Any]) -> dict[str, float]:
@@ -332,9 +340,9 @@ def project(cfg: Config, runs: dict[str, Any]) -> dict[str, Any]:
     for steps in (cfg.steps, *PROJECT_TO):
         variance, local = dataclasses.replace(cfg, steps=steps).policies()
         f = variance.freeze_step
-        var = len(ozo.variance_steps(variance, steps))
-        syncs = len(ozo.sync_steps(local, f, steps))
-        mine = var * full + (f - var + syncs) * packed
+        counts = np.bincount(ozo.step_kinds(variance, local, steps), minlength=4)
+        var, compressed, _, syncs = (int(c) for c in counts)
+        mine = var * full + (compressed + syncs) * packed
         theirs = f * onebit["warmup"]["bytes_per_step"]
         theirs += (steps - f) * onebit["compressed"]["bytes_per_step"]
         out[str(steps)] = round(100 * (1 - mine / theirs), 2)
@@ -443,8 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{cfg.steps} steps, peak lr {cfg.peak_lr:g}, b2 {cfg.b2}; policies: freeze step "
         f"{variance.freeze_step}, kappa {variance.update_scaler}, alpha {local.scaler}, "
-        f"H {local.clipper} ({len(ozo.variance_steps(variance, cfg.steps))} variance steps, "
-        f"{len(ozo.sync_steps(local, variance.freeze_step, cfg.steps))} syncs)"
+        f"H {local.clipper} ({len(kind_steps(cfg, 'variance'))} variance steps, "
+        f"{len(kind_steps(cfg, 'sync'))} syncs)"
     )
     result = run(cfg, progress=not args.no_progress)
     stem = "convergence" + ("" if args.workload == "char_lm" else f"_{args.workload}")

@@ -51,10 +51,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
 from optax_zero_one.collective import init_errors  # noqa: E402
+from optax_zero_one.flat import to_flat  # noqa: E402
 
 AXIS = "w"
 WORKERS = 8
 TREE = {"w": (256, 64), "b": (1000,), "odd": (7,), "scalar": ()}
+# The worker-major layout of TREE over the workers (the compressed mean works on flat buffers).
+LAYOUT = ozo.Layout.of({k: np.empty(s, np.float32) for k, s in TREE.items()}, WORKERS)
 
 
 def rss_mib() -> float:
@@ -90,6 +93,13 @@ def per_worker(fn: Any, num_workers: int = WORKERS) -> tuple[Any, NamedSharding]
     )
 
 
+def _node(state: Any, cls: type) -> Any:
+    """The one ``cls`` node of an optimizer state (for reading its buffers)."""
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls))
+    (node,) = [n for n in nodes if isinstance(n, cls)]
+    return node
+
+
 def _rms(leaves: list[jax.Array]) -> jax.Array:
     total = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
     count = sum(x.size for x in leaves)
@@ -118,19 +128,20 @@ def compressed_mean_run(calls: int, report_every: int = 1000) -> dict:
             keep = jax.random.uniform(jax.random.fold_in(k_zero, len(z)), shape) > 0.05
             z[name] = jnp.where(keep, signal[name] + noise, 0.0)  # with exact zeros
         true_mean = lax.pmean(z, AXIS)  # for the figures only: not part of the method
-        out, errors = ozo.compressed_mean(z, errors, AXIS)
-        drift = jax.tree.map(lambda d, o, m: d + (o - m), drift, out, true_mean)
-        # the identity: drift = -(mean_i e_w,i + e_s), on the padded vectors (e_s: chunk i)
-        ew_mean = lax.pmean(errors.worker_error, AXIS)
-        es_all = lax.all_gather(errors.server_error, AXIS, tiled=True)
+        out, errors, _ = ozo.compressed_mean(to_flat(z, LAYOUT), errors, AXIS)
+        drift = jax.tree.map(lambda d, o, m: d + (o - m), drift, out.to_tree(), true_mean)
+        # the identity: drift = -(mean_i e_w,i + e_s), per element (row j of the worker-major
+        # buffers: chunk j of every leaf; worker j serves row j and keeps its error e_s)
+        ew_mean = ozo.FlatTree(lax.pmean(errors.worker_error.buffer, AXIS), LAYOUT)
+        es_all = ozo.FlatTree(lax.all_gather(errors.server_error, AXIS), LAYOUT)
         gaps = [
-            jnp.max(jnp.abs(d.reshape(-1) + (w + s)[: d.size]))
-            for d, w, s in zip(*map(jax.tree.leaves, (drift, ew_mean, es_all)))
+            jnp.max(jnp.abs(d + w + s))
+            for d, w, s in zip(*map(jax.tree.leaves, (drift, ew_mean.to_tree(), es_all.to_tree())))
         ]
         figures = jnp.stack(
             [
-                lax.pmax(_rms(jax.tree.leaves(errors.worker_error)), AXIS),
-                lax.pmax(_rms(jax.tree.leaves(errors.server_error)), AXIS),
+                lax.pmax(_rms([errors.worker_error.buffer]), AXIS),
+                lax.pmax(_rms([errors.server_error]), AXIS),
                 _rms(jax.tree.leaves(drift)),
                 lax.pmax(jnp.max(jnp.stack(gaps)), AXIS),
                 lax.pmean(_rms(jax.tree.leaves(z)), AXIS),
@@ -141,7 +152,7 @@ def compressed_mean_run(calls: int, report_every: int = 1000) -> dict:
 
     step, sharding = per_worker(call)
     zeros = {k: jnp.zeros(s) for k, s in TREE.items()}
-    errors = jax.device_put(ozo.replicate(init_errors(zeros, WORKERS), WORKERS), sharding)
+    errors = jax.device_put(ozo.replicate(init_errors(LAYOUT), WORKERS), sharding)
     drift = jax.device_put(ozo.replicate(zeros, WORKERS), sharding)
     rows, memory, start = np.zeros((calls, 6), np.float32), [], time.time()  # preallocated
     for k in range(1, calls + 1):
@@ -230,6 +241,8 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
         ref_updates, ref_state = adam.update(ref_grads, ref_state, ref)
         ref = optax.apply_updates(ref, ref_updates)
         synced = ozo.synchronized_params(params, state)
+        errors = _node(state, ozo.ScheduledMeanState).errors  # lent to the syncs after F
+        anchor = _node(state, ozo.LocalStepSyncState).anchor.to_tree()
         leaves = jax.tree.leaves(params)
         spread = jnp.max(
             jnp.stack([jnp.max(lax.pmax(p, AXIS) - lax.pmin(p, AXIS)) for p in leaves])
@@ -238,11 +251,9 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
             [
                 loss(synced, eval_x, eval_y),
                 loss(ref, eval_x, eval_y),
-                lax.pmax(_rms(jax.tree.leaves(state.comm.worker_error)), AXIS),
-                lax.pmax(_rms(jax.tree.leaves(state.comm.server_error)), AXIS),
-                lax.pmax(
-                    _rms(jax.tree.leaves(jax.tree.map(jnp.subtract, state.anchor, params))), AXIS
-                ),
+                lax.pmax(_rms([errors.worker_error.buffer]), AXIS),
+                lax.pmax(_rms([errors.server_error]), AXIS),
+                lax.pmax(_rms(jax.tree.leaves(jax.tree.map(jnp.subtract, anchor, params))), AXIS),
                 spread,
                 _rms(jax.tree.leaves(grads)),
             ]
@@ -305,14 +316,8 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
 
 
 def _kinds(variance: Any, local: Any, steps: int) -> list[str]:
-    var = set(ozo.variance_steps(variance, steps).tolist())
-    sync = set(ozo.sync_steps(local, variance.freeze_step, steps).tolist())
-    return [
-        ("variance" if k in var else "compressed")
-        if k <= variance.freeze_step
-        else ("sync" if k in sync else "local")
-        for k in range(1, steps + 1)
-    ]
+    """The name of 0/1 Adam's kind of every step (:func:`optax_zero_one.step_kinds`)."""
+    return [ozo.STEP_KINDS[k] for k in ozo.step_kinds(variance, local, steps)]
 
 
 # --- 3. how far apart the workers' params are after a sync, by params dtype ---------------------

@@ -142,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     kinds_of: dict[str, Callable[[int], np.ndarray]] = {
         "AdamW": lambda m: np.zeros(m, np.int8),
-        "1-bit Adam": lambda m: common.onebit_kinds(1, m),
-        "0/1 Adam (phase B)": lambda m: common.zero_one_kinds(*phase_b, m),
+        "1-bit Adam": lambda m: ozo.onebit_step_kinds(1, m),
+        "0/1 Adam (phase B)": lambda m: ozo.step_kinds(*phase_b, m),
         "no communication": lambda m: np.zeros(m, np.int8),
-        "0/1 Adam (whole schedule)": lambda m: common.zero_one_kinds(*whole, m),
+        "0/1 Adam (whole schedule)": lambda m: ozo.step_kinds(*whole, m),
     }
     if opts.schedule_steps:
         specs["0/1 Adam (whole schedule)"] = zero_one("0/1 Adam (whole schedule)", whole)

@@ -70,13 +70,9 @@ def step_kinds(
     num_steps, var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
 ):
     """The kind of every step, from the schedules alone (nothing runs)."""
-    steps = np.arange(1, num_steps + 1)
-    kinds = np.where(steps <= var_freeze_step, "compressed", "local").astype(object)
     variance = ozo.VarianceDoubling(var_freeze_step, var_update_scaler)
-    kinds[ozo.variance_steps(variance, num_steps) - 1] = "variance"
     local = ozo.LocalStepDoubling(local_step_scaler, local_step_clipper)
-    kinds[ozo.sync_steps(local, var_freeze_step, num_steps) - 1] = "sync"
-    return kinds
+    return np.asarray(ozo.STEP_KINDS)[ozo.step_kinds(variance, local, num_steps)]
 
 
 def on_workers(fn, mesh):

@@ -69,28 +69,26 @@ def step_kinds(
     num_steps, var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
 ):
     """The kind of every step, from the schedules alone (nothing runs)."""
-    steps = np.arange(1, num_steps + 1)
-    kinds = np.where(steps <= var_freeze_step, "compressed", "local").astype(object)
     variance = ozo.VarianceDoubling(var_freeze_step, var_update_scaler)
-    kinds[ozo.variance_steps(variance, num_steps) - 1] = "variance"
     local = ozo.LocalStepDoubling(local_step_scaler, local_step_clipper)
-    kinds[ozo.sync_steps(local, var_freeze_step, num_steps) - 1] = "sync"
-    return kinds
+    return np.asarray(ozo.STEP_KINDS)[ozo.step_kinds(variance, local, num_steps)]
 
 
 def bytes_per_step_kind(params, n):
     """Bytes one of ``n`` workers sends per step of each kind (``ALGORITHM.md``).
 
     Float ring all-reduce: ``2 * 4 P (n-1)/n``. 1-bit mean: every leaf padded to a multiple of
-    ``n * lcm(n, 8)`` elements, one all-to-all and one all-gather of ``P/8 (n-1)/n`` bytes each,
-    plus a 4-byte scale per leaf and chunk.
+    ``n * lcm(n, 8)`` elements and cut into ``n`` chunks, each rounded up to the layout's block
+    (``ozo.Layout``: 8 elements for small models); row ``j`` of the worker-major buffer (chunk
+    ``j`` of every leaf, ``C`` = ``layout.width`` columns) goes to worker ``j``. One all-to-all
+    and one all-gather, each sending ``n - 1`` rows of ``C/8`` bytes of signs plus a 4-byte
+    scale per leaf.
     """
     leaves = jax.tree.leaves(params)
     numel = sum(leaf.size for leaf in leaves)
-    multiple = n * math.lcm(n, 8)
-    padded = sum(-(-leaf.size // multiple) * multiple for leaf in leaves)
+    layout = ozo.Layout.of(params, n)
     dense = 2 * 4 * numel * (n - 1) / n
-    compressed = 2 * (n - 1) * (padded / (8 * n) + 4 * len(leaves))
+    compressed = 2 * (n - 1) * (layout.width / 8 + 4 * len(leaves))
     return {"variance": dense, "compressed": compressed, "sync": compressed}
 
 
