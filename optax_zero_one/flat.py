@@ -59,25 +59,30 @@ def padded_size(size: int, num_workers: int) -> int:
 class Layout:
     """Where every element of a tree of shapes lives in the ``(N, C)`` buffers (static).
 
-    Two layouts are equal when their leaf shapes and worker counts are: the tree structure is
-    kept for reading a buffer back as a tree, but not compared, so that a state made for a tree
-    of wrapped leaves (e.g. Flax NNX ``Param`` variables) serves updates of plain arrays.
+    Two layouts are equal when their leaves' paths, shapes and worker counts are: the tree
+    structure itself is kept for reading a buffer back as a tree, but not compared, and a leaf
+    wrapped in a Flax NNX variable (path ``['w'].value``) counts as the plain leaf (``['w']``),
+    so that a state made by ``nnx.Optimizer`` for ``Param`` leaves serves plain gradients.
 
     Attributes:
       treedef: the tree structure of the parameters the layout was made from.
       shapes: the shape of each leaf, in ``jax.tree.leaves`` order.
       num_workers: ``N``, the number of rows.
+      paths: each leaf's key path, as a string (without a trailing ``.value``).
     """
 
     treedef: Any = dataclasses.field(compare=False)
     shapes: tuple[tuple[int, ...], ...]
     num_workers: int
+    paths: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, tree: Any, num_workers: int) -> Layout:
         """The layout of ``tree`` (arrays or anything with a ``shape``) for ``N`` workers."""
-        leaves, treedef = jax.tree.flatten(tree)
-        return cls(treedef, tuple(tuple(np.shape(x)) for x in leaves), int(num_workers))
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        shapes = tuple(tuple(np.shape(x)) for _, x in with_paths)
+        paths = tuple(_leaf_name(path) for path, _ in with_paths)
+        return cls(treedef, shapes, int(num_workers), paths)
 
     @functools.cached_property
     def sizes(self) -> np.ndarray:
@@ -151,9 +156,12 @@ class Layout:
     def check_tree(self, tree: Any, what: str, where: str) -> None:
         """Raises a ``ValueError`` naming the leaf if ``tree`` (``what``) does not have this
         layout's leaves (made for ``where``); wrapper nodes around the leaves may differ."""
-        leaves = jax.tree.leaves(tree)
-        if len(leaves) != self.num_leaves:
-            _checks.check_tree_matches(tree, self.shape_tree(), what, where)
+        names = tuple(_leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree))
+        if names != self.paths:
+            raise ValueError(
+                f"{what} does not have the tree structure of {where}.\n"
+                f"  {what}: leaves {list(names)}\n  {where}: leaves {list(self.paths)}"
+            )
         shapes = jax.tree.unflatten(jax.tree.structure(tree), jax.tree.leaves(self.shape_tree()))
         _checks.check_tree_matches(tree, shapes, what, where)
 
@@ -168,9 +176,9 @@ class Layout:
                 "a checkpoint made with it; see optax_zero_one.check_worker_count)."
             )
         raise ValueError(
-            f"{what} was made for another parameter tree (the leaves' shapes differ).\n"
-            f"  state: {other.treedef} with shapes {other.shapes}\n"
-            f"  here:  {self.treedef} with shapes {self.shapes}"
+            f"{what} was made for another parameter tree (the leaves differ).\n"
+            f"  state: {list(zip(other.paths, other.shapes))}\n"
+            f"  here:  {list(zip(self.paths, self.shapes))}"
         )
 
     # -- per-element facts, from per-block tables broadcast along each block ---------------
@@ -249,6 +257,14 @@ class Layout:
         per_block = jnp.take(per_leaf, jnp.asarray(self.block_leaf), axis=-1)
         spread = jnp.broadcast_to(per_block[..., None], (*per_block.shape, self.block))
         return spread.reshape(*per_leaf.shape[:-1], self.width)
+
+
+def _leaf_name(path: tuple) -> str:
+    """A leaf's key path as a string, without the ``.value`` of a Flax NNX variable."""
+    last = path[-1] if path else None
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "value":
+        path = path[:-1]
+    return jax.tree_util.keystr(path)
 
 
 @jax.tree_util.register_pytree_with_keys_class
