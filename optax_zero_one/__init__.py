@@ -21,14 +21,24 @@ The three transforms, each usable on its own (``docs/design.md``):
 program does not grow with the number of leaves. Also: the policies (:class:`VarianceDoubling`,
 :class:`LocalStepDoubling`, :class:`FullPrecisionWarmup`), the step kinds of a run
 (:func:`step_kinds`, :func:`pin_step`), :func:`comm_stats` (what a compiled program sends), the
-worker layout (:func:`replicate`, :func:`unreplicate`, :func:`synchronized_params`) and
-checkpoints across worker counts (:func:`check_worker_count`, :func:`reset_compression`).
+worker layout (:func:`replicate`, :func:`unreplicate`, :func:`synchronized_params`), the worker
+layout across processes (:func:`initialize_from_env`, :func:`worker_mesh`, :func:`to_workers`,
+:func:`local_rows`, :func:`on_workers`; a local launcher: ``python -m optax_zero_one.launch``)
+and checkpoints across worker counts (:func:`check_worker_count`, :func:`reset_compression`).
 """
 
 from optax_zero_one.checkpoint import check_worker_count, reset_compression, worker_count
 from optax_zero_one.collective import OnebitMeanState, compressed_mean, float_mean, onebit_mean
 from optax_zero_one.comm_stats import Collective, CommStats, comm_stats, parse_hlo
 from optax_zero_one.deepspeed import from_deepspeed_config
+from optax_zero_one.distributed import (
+    DistributedJob,
+    initialize_from_env,
+    local_rows,
+    on_workers,
+    to_workers,
+    worker_mesh,
+)
 from optax_zero_one.flat import FlatTree, Layout
 from optax_zero_one.frozen_variance import FrozenVarianceAdamState, scale_by_frozen_variance_adam
 from optax_zero_one.kinds import (
@@ -67,6 +77,7 @@ __version__ = "0.2.0"
 __all__ = [
     "Collective",
     "CommStats",
+    "DistributedJob",
     "FlatTree",
     "FlattenState",
     "FrozenAdamSync",
@@ -92,7 +103,10 @@ __all__ = [
     "flatten",
     "float_mean",
     "from_deepspeed_config",
+    "initialize_from_env",
+    "local_rows",
     "local_step_sync",
+    "on_workers",
     "onebit_adam",
     "onebit_mean",
     "onebit_step_kinds",
@@ -109,8 +123,10 @@ __all__ = [
     "step_kinds",
     "sync_steps",
     "synchronized_params",
+    "to_workers",
     "unreplicate",
     "variance_steps",
     "worker_count",
+    "worker_mesh",
     "zero_one_adam",
 ]

@@ -104,7 +104,7 @@ def from_deepspeed_config(
     ======================= =====================================================
 
     Any other key raises ``ValueError``, as DeepSpeed's constructors raise ``TypeError``.
-    Behaviour follows ``ALGORITHM.md``, which lists where it deviates from DeepSpeed on
+    Behaviour follows ``docs/algorithm.md``, which lists where it deviates from DeepSpeed on
     purpose (no wasted first step, compressed steps with one worker, exact checkpoints).
 
     Args:

@@ -1,6 +1,6 @@
 """When to update the variance and when to synchronise: policies as data plus pure functions.
 
-0/1 Adam has two schedules (``ALGORITHM.md``):
+0/1 Adam has two schedules (``docs/algorithm.md``, "Step kinds"):
 
 - a *variance policy* decides, for steps ``k <= freeze_step``, which steps are variance steps
   (full-precision all-reduce, ``v`` updated) and which are compressed steps;

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_zero_one.distributed import _addressable_rows
 from optax_zero_one.flat import FlatTree
 from optax_zero_one.local_steps import LocalStepSyncState
 
@@ -36,9 +37,44 @@ def replicate(tree: Any, num_workers: int, sharding: jax.sharding.Sharding | Non
     return out if sharding is None else jax.device_put(out, sharding)
 
 
-def unreplicate(tree: Any, worker: int = 0) -> Any:
-    """One worker's copy of a tree in the worker layout (the inverse of :func:`replicate`)."""
-    return jax.tree.map(lambda x: jax.device_get(x)[worker], tree)
+def unreplicate(tree: Any, worker: int | None = None) -> Any:
+    """One worker's copy of a tree in the worker layout (the inverse of :func:`replicate`).
+
+    Works when the worker axis spans other processes' devices (a ``jax.distributed`` job):
+    only the rows this process can address are read, without communication, so ``worker`` must
+    be one of this process's workers (see :func:`~optax_zero_one.local_rows`). In a single
+    process every row is addressable.
+
+    Args:
+      tree: a tree in the worker layout (leading worker axis: ``pmap``, ``shard_map`` or
+        ``vmap``), of ``jax.Array`` or NumPy arrays.
+      worker: the worker whose copy to return (negative counts from the last worker); default:
+        the first worker this process holds (worker 0 in a single process).
+
+    Returns:
+      The tree without the worker axis, as NumPy arrays. Raises ``ValueError`` if ``worker``
+      is held by another process.
+
+    Example:
+      >>> params, opt_state = unreplicate((params, opt_state))
+      >>> eval_params = synchronized_params(params, opt_state)
+    """
+
+    def one(x: Any) -> Any:
+        rows, data = _addressable_rows(x)
+        if worker is None:
+            return data[0]
+        if len(rows) == len(x):  # every row is here: NumPy indexing (negative counts from the end)
+            return data[worker]
+        index = worker + len(x) if worker < 0 else worker
+        if index not in rows:
+            raise ValueError(
+                f"worker {worker} is not on a device of this process (process "
+                f"{jax.process_index()} holds workers {rows})"
+            )
+        return data[rows.index(index)]
+
+    return jax.tree.map(one, tree)
 
 
 def synchronized_params(params: Any, opt_state: Any) -> Any:

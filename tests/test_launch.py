@@ -1,4 +1,5 @@
-"""benchmarks.launch stops the whole job and reports when a process fails or the port is taken."""
+"""optax_zero_one.launch stops the whole job and reports when a process fails or the port is
+taken."""
 
 import os
 import socket
@@ -12,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_failing_process_stops_the_job_and_its_error_is_shown():
     env = dict(os.environ, PJRT_NPROC="2", PYTHONPATH=str(ROOT / "tests"))
-    cmd = [sys.executable, "-m", "benchmarks.launch", "--processes", "2", "--timeout", "200"]
+    cmd = [sys.executable, "-m", "optax_zero_one.launch", "--processes", "2", "--timeout", "200"]
     started = time.monotonic()
     result = subprocess.run(
-        [*cmd, "--", "launch_failing_worker"],
+        [*cmd, "--", "support.jobs.launch_failing_worker"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -38,7 +39,7 @@ def test_a_taken_port_is_reported_before_anything_starts():
         s.listen()
         port = s.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "benchmarks.launch", "--processes", "2", "--port", str(port)]
+            [sys.executable, "-m", "optax_zero_one.launch", "--processes", "2", "--port", str(port)]
             + ["--", "no_such_module"],
             cwd=ROOT,
             capture_output=True,

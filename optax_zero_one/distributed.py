@@ -1,0 +1,262 @@
+"""The worker layout across devices and processes.
+
+Helpers for data-parallel training in which every device is one worker and the worker axis may
+span several processes (``jax.distributed``), where no process can address every device:
+
+- :func:`initialize_from_env`: join the job that ``python -m optax_zero_one.launch`` started
+  (a no-op in a process that it did not start);
+- :func:`worker_mesh`: a 1-D mesh over the devices of every process, in process order;
+- :func:`to_workers`: a tree in the worker layout (a leading worker axis sharded over the mesh),
+  each process placing only the rows of its own devices;
+- :func:`local_rows`: this process's rows of a tree in the worker layout, as NumPy arrays;
+- :func:`on_workers`: one worker's function lifted to the worker layout with ``jax.shard_map``.
+
+Nothing here sets JAX's configuration: ask for simulated CPU devices before JAX starts (e.g.
+``JAX_NUM_CPU_DEVICES``, which the launcher sets for each process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# The environment variables ``optax_zero_one.launch`` sets for each process.
+COORDINATOR = "OZO_COORDINATOR"  # host:port of process 0
+NUM_PROCESSES = "OZO_NUM_PROCESSES"
+PROCESS_ID = "OZO_PROCESS_ID"
+FAILURE_DIR = "OZO_FAILURE_DIR"  # where a failing process notes when it failed
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedJob:
+    """Where this process sits in the job.
+
+    Attributes:
+      process_id: this process's rank, ``0 <= process_id < num_processes``.
+      num_processes: the number of processes.
+      local_devices: devices of this process.
+    """
+
+    process_id: int
+    num_processes: int
+    local_devices: int
+
+
+def initialize_from_env() -> DistributedJob:
+    """Joins the ``jax.distributed`` job that ``optax_zero_one.launch`` started, if it did.
+
+    Reads the coordinator address, the job size and this process's rank from the environment
+    the launcher set (``OZO_COORDINATOR``, ``OZO_NUM_PROCESSES``, ``OZO_PROCESS_ID``) and calls
+    ``jax.distributed.initialize`` with them. Without those variables (a process the launcher
+    did not start) it changes nothing: a single-process job. Call it before any JAX
+    computation. On a cluster, call ``jax.distributed.initialize()`` instead, which finds its
+    arguments in the cluster's environment (SLURM, Kubernetes, ...).
+
+    Returns:
+      The :class:`DistributedJob`: rank, number of processes, devices in this process.
+
+    Example:
+      >>> job = initialize_from_env()  # first thing in a script run by optax_zero_one.launch
+      >>> mesh = worker_mesh("w")
+    """
+    coordinator = os.environ.get(COORDINATOR)
+    if coordinator:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=int(os.environ[NUM_PROCESSES]),
+            process_id=int(os.environ[PROCESS_ID]),
+            coordinator_bind_address=coordinator,  # the default binds every interface
+        )
+    return DistributedJob(jax.process_index(), jax.process_count(), jax.local_device_count())
+
+
+def worker_mesh(
+    axis_name: str, num_workers: int | None = None, devices: Any = None
+) -> jax.sharding.Mesh:
+    """A 1-D mesh of one worker per device, over the devices of every process.
+
+    Devices are ordered by process, then id, so that each process's workers are consecutive
+    rows of the worker layout. The axis type is ``Auto``.
+
+    Args:
+      axis_name: the worker axis, the ``axis_name`` the optimizers are built with.
+      num_workers: use the first ``num_workers`` devices (default: all of them).
+      devices: the devices to choose from (default: ``jax.devices()``).
+
+    Returns:
+      A ``jax.sharding.Mesh`` with the one axis ``axis_name``.
+
+    Example:
+      >>> mesh = worker_mesh("w")  # every device of every process
+      >>> mesh = worker_mesh("w", 4)  # the first 4 devices
+    """
+    devices = jax.devices() if devices is None else devices
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    if num_workers is not None:
+        if num_workers > len(devices):
+            raise ValueError(f"{num_workers} workers but only {len(devices)} devices")
+        devices = devices[:num_workers]
+    return jax.make_mesh(
+        (len(devices),),
+        (axis_name,),
+        devices=devices,
+        axis_types=(jax.sharding.AxisType.Auto,),
+    )
+
+
+def _axis(mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
+    if axis_name is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(f"mesh axes {mesh.axis_names}: pass the worker axis_name")
+        return mesh.axis_names[0]
+    return axis_name
+
+
+def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: str | None = None) -> Any:
+    """Places a tree in the worker layout: a leading worker axis sharded over the mesh.
+
+    ``values`` is either the whole tree, whose leaves have a leading axis of one row per
+    worker, or a function ``i -> worker i's tree`` (leaves without the worker axis). In a job
+    of several processes each process places only the rows of the devices it owns, so every
+    process passes the same values (e.g. computed from a seed) and, given a function, calls it
+    only for its own workers. A callable ``values`` is always taken as such a function.
+
+    Args:
+      values: a tree of arrays with a leading worker axis, or a function of the worker index.
+      mesh: the worker mesh (:func:`worker_mesh`).
+      axis_name: the mesh axis of the workers (default: the mesh's only axis).
+
+    Returns:
+      The tree as ``jax.Array``s sharded ``P(axis_name)`` over ``mesh``.
+
+    Example:
+      >>> params = to_workers(replicate(params, mesh.size), mesh)
+      >>> batch = to_workers(lambda i: make_batch(step, worker=i), mesh)
+    """
+    axis = _axis(mesh, axis_name)
+    sharding = NamedSharding(mesh, P(axis))
+    n = mesh.shape[axis]
+    if not callable(values):
+        if sharding.is_fully_addressable:
+            return jax.device_put(values, sharding)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_callback(
+                np.shape(x), sharding, lambda index: np.asarray(x[index])
+            ),
+            values,
+        )
+    rows: dict[int, list[Any]] = {}
+
+    def leaves_of(i: int) -> list[Any]:
+        if i not in rows:
+            rows[i] = jax.tree.leaves(values(i))
+        return rows[i]
+
+    blocks = sharding.addressable_devices_indices_map((n,)).values()
+    mine = sorted({i for index in blocks for i in range(*index[0].indices(n))})
+    first = values(mine[0])
+    treedef, examples = jax.tree.structure(first), jax.tree.leaves(first)
+    rows[mine[0]] = examples
+
+    def leaf(j: int) -> jax.Array:
+        shape = (n, *np.shape(examples[j]))
+
+        def block(index: tuple) -> np.ndarray:
+            return np.stack([np.asarray(leaves_of(i)[j]) for i in range(*index[0].indices(n))])
+
+        return jax.make_array_from_callback(shape, sharding, block)
+
+    return jax.tree.unflatten(treedef, [leaf(j) for j in range(len(examples))])
+
+
+def _addressable_rows(x: Any) -> tuple[list[int], np.ndarray]:
+    """The rows of a worker-layout array that this process holds: (indices, their values)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        x = np.asarray(jax.device_get(x))
+        return list(range(x.shape[0])), x
+    n = x.shape[0]
+    blocks: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        first = shard.index[0]
+        data = np.asarray(shard.data)
+        if isinstance(first, int):  # e.g. a pmap layout: the shard has no worker axis
+            blocks.setdefault(first, data[None])
+            continue
+        start = first.indices(n)[0]
+        blocks.setdefault(start, data)  # a copy on another mesh axis holds the same rows
+    starts = sorted(blocks)
+    data = np.concatenate([blocks[s] for s in starts])
+    indices = [i for s in starts for i in range(s, s + len(blocks[s]))]
+    if len(set(indices)) != len(indices):
+        raise ValueError("the array's rows are not split into disjoint blocks over devices")
+    return indices, data
+
+
+def local_rows(tree: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+    """This process's rows of a tree in the worker layout: ``(worker indices, leaves)``.
+
+    Reads only the shards this process can address (no communication), so it works when the
+    worker axis spans other processes' devices. In a single process it returns every row.
+
+    Args:
+      tree: a tree of arrays with a leading worker axis (e.g. made by :func:`to_workers`).
+
+    Returns:
+      The indices of this process's workers (increasing, int64) and the tree's leaves as NumPy
+      arrays whose leading axis runs over those workers. Raises ``ValueError`` if the leaves
+      are not split alike over the workers.
+
+    Example:
+      >>> workers, leaves = local_rows((params, opt_state))
+      >>> np.savez(f"step{k}_p{jax.process_index()}.npz", workers=workers, *leaves)
+    """
+    workers: list[int] | None = None
+    out = []
+    for leaf in jax.tree.leaves(tree):
+        rows, data = _addressable_rows(leaf)
+        if workers is None:
+            workers = rows
+        elif rows != workers:
+            raise ValueError("leaves are not sharded alike over the worker axis")
+        out.append(data)
+    return np.asarray(workers or [], dtype=np.int64), out
+
+
+def on_workers(
+    fn: Callable[..., Any], mesh: jax.sharding.Mesh, axis_name: str | None = None
+) -> Callable[..., Any]:
+    """One worker's function lifted to the worker layout with ``jax.shard_map``.
+
+    Every argument and result of the returned function has a leading worker axis sharded over
+    the mesh; each device sees a block of one row, which is dropped before ``fn`` runs and
+    restored after (scalars ``fn`` returns become one row per worker). Inside ``fn`` the
+    worker axis is bound, so collectives over ``axis_name`` (and the optimizers built with it)
+    work. Not jitted: wrap it in ``jax.jit``.
+
+    Args:
+      fn: ``(*one worker's trees) -> one worker's trees``.
+      mesh: the worker mesh (:func:`worker_mesh`).
+      axis_name: the mesh axis of the workers (default: the mesh's only axis).
+
+    Returns:
+      ``fn`` on trees in the worker layout.
+
+    Example:
+      >>> step = jax.jit(on_workers(worker_step, mesh), donate_argnums=(0, 1))
+      >>> opt_state = jax.jit(on_workers(tx.init, mesh))(params)
+    """
+    axis = _axis(mesh, axis_name)
+
+    def body(*args: Any) -> Any:
+        out = fn(*jax.tree.map(lambda x: x[0], args))
+        return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis))

@@ -1,0 +1,368 @@
+"""Start a local multi-process JAX job: P processes on 127.0.0.1, D CPU devices each.
+
+Usage::
+
+    python -m optax_zero_one.launch --processes 2 --devices-per-process 2 -- \
+        benchmarks.jobs.multiprocess_train --out results/mp_2x2
+
+Every process runs ``python -m <module> <args>`` with the variables that
+:func:`optax_zero_one.initialize_from_env` reads (coordinator ``127.0.0.1:PORT``, job size,
+rank), ``JAX_NUM_CPU_DEVICES=D``, and ``PJRT_NPROC=2D`` and ``JAX_PLATFORMS=cpu`` unless
+already set. Output is forwarded line by line with a ``[pI]`` prefix. If a process exits with an
+error, the others are stopped, its last lines are printed again and the launcher exits with its
+status; a port that is already taken, a timeout or Ctrl-C stop everything the same way.
+
+This is for local experiments and tests. On real clusters use the cluster's own launcher
+(SLURM, Kubernetes, ...): ``jax.distributed.initialize()`` then finds its arguments itself.
+
+Each process is started as ``python -m optax_zero_one.launch --child MODULE ARGS``
+(:func:`run_module`), which runs the module as ``__main__`` and, if it fails, exits at once with
+its status: a plain ``sys.exit(1)`` would first wait up to 5 minutes in ``jax.distributed``'s
+shutdown barrier for processes that may be stuck in a collective with the one that failed.
+Nothing in this module is imported by ``import optax_zero_one``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import TextIO
+
+from optax_zero_one import distributed
+
+HOST = "127.0.0.1"
+TAIL_LINES = 30
+CHILD = "--child"  # first argument of a process the launcher started (see run_module)
+
+
+class LaunchError(RuntimeError):
+    """The job could not be started (e.g. the coordinator port is taken)."""
+
+
+def _probe_code(port: int) -> str:
+    return (
+        "import socket\n"
+        "s = socket.socket()\n"
+        f"s.bind(({HOST!r}, {port}))\n"
+        "print(s.getsockname()[1])\n"
+    )
+
+
+def pick_port(port: int = 0, wrapper: Sequence[str] = ()) -> int:
+    """Checks that ``port`` is free on 127.0.0.1 (``0``: finds a free one) and returns it.
+
+    With a ``wrapper`` (e.g. ``ip netns exec NS``) the check runs inside it, since a network
+    namespace has its own ports.
+
+    Args:
+      port: the port to check, or ``0`` for any free one.
+      wrapper: a command prefix to run the check under, e.g. ``("ip", "netns", "exec", "ns")``.
+
+    Returns:
+      The port. Raises :class:`LaunchError` if it is taken or cannot be bound.
+
+    Example:
+      >>> port = pick_port()  # a free port on 127.0.0.1
+    """
+    if not wrapper:
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError as err:
+                raise LaunchError(f"port {port} on {HOST} is not available: {err}") from None
+            return s.getsockname()[1]
+    result = subprocess.run(
+        [*wrapper, sys.executable, "-c", _probe_code(port)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["?"])[-1]
+        raise LaunchError(f"port {port} on {HOST} is not available: {last}")
+    return int(result.stdout.strip())
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM to every still-running process group, then SIGKILL after ``grace`` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def launch(
+    module: str,
+    args: Sequence[str] = (),
+    processes: int = 2,
+    devices_per_process: int = 1,
+    port: int = 0,
+    env: dict[str, str] | None = None,
+    wrapper: Sequence[str] = (),
+    timeout: float | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Runs ``python -m module *args`` as a ``jax.distributed`` job and waits for it.
+
+    Args:
+      module: the module each process runs; it must call
+        :func:`optax_zero_one.initialize_from_env` before any JAX computation.
+      args: its command-line arguments.
+      processes: number of processes ``P``.
+      devices_per_process: simulated CPU devices in each process ``D``.
+      port: coordinator port on 127.0.0.1 (``0``: a free one).
+      env: extra environment variables for every process.
+      wrapper: a command prefix for every process, e.g. ``("ip", "netns", "exec", "ns")``.
+      timeout: seconds after which the whole job is stopped (exit status 124).
+      out: where to forward the prefixed output (default ``sys.stdout``).
+
+    Returns:
+      0 if every process succeeded; else the first failing process's exit status (a signal
+      ``s`` as ``128 + s``), 124 on timeout, 130 on Ctrl-C, 2 if the job could not start.
+
+    Example:
+      >>> from optax_zero_one.launch import launch
+      >>> # every process runs `python -m my_project.train --steps 100`
+      >>> status = launch("my_project.train", ["--steps", "100"], processes=2,
+      ...                 devices_per_process=2, timeout=600)
+    """
+    out = out or sys.stdout
+    if processes < 1 or devices_per_process < 1:
+        raise ValueError("processes and devices_per_process must be >= 1")
+    lock = threading.Lock()
+
+    def say(text: str) -> None:
+        with lock:
+            out.write(text + "\n")
+            out.flush()
+
+    try:
+        port = pick_port(port, wrapper)
+    except LaunchError as err:
+        say(f"[launch] error: {err}")
+        return 2
+    base = dict(os.environ)
+    base.update(env or {})
+    base.setdefault("JAX_PLATFORMS", "cpu")
+    # at least 2 threads per simulated device, or the devices' rendezvous can deadlock
+    base.setdefault("PJRT_NPROC", str(2 * devices_per_process))
+    base["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
+    base["PYTHONUNBUFFERED"] = "1"
+    base[distributed.COORDINATOR] = f"{HOST}:{port}"
+    base[distributed.NUM_PROCESSES] = str(processes)
+    failure_dir = tempfile.TemporaryDirectory(prefix="ozo-launch-")
+    base[distributed.FAILURE_DIR] = failure_dir.name
+
+    tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(processes)]
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+
+    def forward(i: int, stream: TextIO) -> None:
+        for line in stream:
+            line = line.rstrip("\n")
+            tails[i].append(line)
+            say(f"[p{i}] {line}")
+
+    interrupted: list[int] = []
+    ended: dict[int, tuple[float, int]] = {}  # process -> (exit time, status)
+
+    def watch(i: int, p: subprocess.Popen) -> None:
+        code = p.wait()
+        ended[i] = (time.monotonic(), code)
+
+    def on_signal(signum: int, frame: object) -> None:
+        interrupted.append(signum)
+
+    previous = {}
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    say(f"[launch] {processes} x {devices_per_process} devices, coordinator {HOST}:{port}")
+    status = 0
+    try:
+        for i in range(processes):
+            child_env = dict(base, **{distributed.PROCESS_ID: str(i)})
+            p = subprocess.Popen(
+                [*wrapper, sys.executable, "-m", "optax_zero_one.launch", CHILD, module, *args],
+                env=child_env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # own process group: we stop it, Ctrl-C does not
+            )
+            procs.append(p)
+            t = threading.Thread(target=forward, args=(i, p.stdout), daemon=True)
+            t.start()
+            readers.append(t)
+            threading.Thread(target=watch, args=(i, p), daemon=True).start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failures: list[tuple[float, int, int]] = []
+        while True:
+            failures = sorted((t, i, c) for i, (t, c) in list(ended.items()) if c != 0)
+            if failures:
+                time.sleep(0.5)  # let exits that follow at once register, to name the first
+                failures = sorted(
+                    (_failed_at(failure_dir.name, i, t), i, c)
+                    for i, (t, c) in list(ended.items())
+                    if c != 0
+                )
+                break
+            if len(ended) == processes:
+                break
+            if interrupted:
+                say("[launch] interrupted: stopping all processes")
+                status = 130
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                say(f"[launch] timeout after {timeout:.0f} s: stopping all processes")
+                status = 124
+                break
+            time.sleep(0.05)
+        if failures:
+            _, first, code = failures[0]
+            status = code if code > 0 else 128 - code
+            _stop(procs)
+            for t in readers:
+                t.join(timeout=2.0)
+            after = "".join(f", then process {i} (status {c})" for _, i, c in failures[1:])
+            say(f"[launch] process {first} failed first, with status {code}{after}; "
+                "all processes stopped.")  # fmt: skip
+            say(f"[launch] last lines of process {first}:")
+            for line in tails[first]:
+                say(f"[launch]   | {line}")
+    finally:
+        _stop(procs)
+        for t in readers:
+            t.join(timeout=2.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        failure_dir.cleanup()
+    return status
+
+
+def _failed_at(directory: str, process: int, exited: float) -> float:
+    """When ``process`` failed: its own note (``run_module``), else when it exited.
+
+    Once one process dies the others' collectives fail too, sometimes exiting before the first
+    one's exit is seen; the note, written before the failing process closes its connections,
+    tells which came first.
+    """
+    try:
+        with open(os.path.join(directory, str(process))) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return exited
+
+
+def run_module(module: str, args: Sequence[str]) -> None:
+    """Runs ``python -m module *args`` in this process; on failure exits at once (``os._exit``).
+
+    A clean exit (``None``/``0``) returns normally, so ``jax.distributed``'s shutdown barrier
+    runs as usual. Any exception or non-zero ``sys.exit`` prints what it would have printed and
+    ends the process immediately with its status, skipping the barrier (which could otherwise
+    wait minutes for processes stuck in a collective with this one). The launcher starts every
+    process through it (``python -m optax_zero_one.launch --child MODULE ARGS``).
+
+    Args:
+      module: the module to run as ``__main__``.
+      args: its command-line arguments (``sys.argv[1:]``).
+
+    Returns:
+      ``None`` when the module ends cleanly; otherwise the process ends here.
+
+    Example:
+      >>> run_module("my_project.train", ["--steps", "100"])  # as `python -m my_project.train`
+    """
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = exit_.code
+        if code is None or code == 0:
+            return
+        _note_failure()
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        _exit_now(code)
+    except BaseException:
+        _note_failure()
+        traceback.print_exc()
+        _exit_now(1)
+
+
+def _note_failure() -> None:
+    """Tells the launcher when this process failed (before the others notice and fail too)."""
+    directory = os.environ.get(distributed.FAILURE_DIR)
+    if directory:
+        with open(os.path.join(directory, os.environ.get(distributed.PROCESS_ID, "0")), "w") as f:
+            f.write(repr(time.monotonic()))  # CLOCK_MONOTONIC: comparable across processes
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: ``--processes P --devices-per-process D [options] -- MODULE ARGS``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [CHILD]:  # one process of a job this launcher started
+        if len(argv) < 2:
+            sys.exit(f"usage: python -m optax_zero_one.launch {CHILD} MODULE [ARGS...]")
+        run_module(argv[1], argv[2:])
+        return 0
+    if "--" not in argv:
+        argv_own, rest = argv, []
+    else:
+        cut = argv.index("--")
+        argv_own, rest = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m optax_zero_one.launch",
+        description="Run `python -m MODULE ARGS` as a local jax.distributed job on 127.0.0.1.",
+        usage="%(prog)s --processes P --devices-per-process D [options] -- MODULE [ARGS...]",
+    )
+    parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--devices-per-process", type=int, default=1)
+    parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    parser.add_argument("--timeout", type=float, default=None, help="stop everything after S s")
+    parser.add_argument(
+        "--netns", default=None, help="run every process inside this network namespace (root)"
+    )
+    opts = parser.parse_args(argv_own)
+    if not rest:
+        parser.error("give the module to run after `--`")
+    wrapper = ("ip", "netns", "exec", opts.netns) if opts.netns else ()
+    return launch(
+        rest[0],
+        rest[1:],
+        processes=opts.processes,
+        devices_per_process=opts.devices_per_process,
+        port=opts.port,
+        wrapper=wrapper,
+        timeout=opts.timeout,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

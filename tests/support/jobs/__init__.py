@@ -1,0 +1,1 @@
+"""Scripts the tests run in subprocesses (each also runs as ``python -m support.jobs.NAME``)."""
