@@ -1,7 +1,7 @@
 """Test configuration: 8 simulated CPU devices, set before JAX initialises its backend.
 
 PJRT_NPROC >= 2x the device count avoids the rendezvous deadlock of simulated devices on a
-2-core machine (see JAX_NOTES.md); loops over simulated devices also block on every step.
+2-core machine (docs/testing.md); loops over simulated devices also block on every step.
 """
 
 import os

@@ -1,6 +1,6 @@
 """Bad input, case by case: each gets a clear error raised early, or is handled correctly.
 
-One test (or one parameter set) per row of the README's bad-input table. Cases the library does
+One test (or one parameter set) per case of docs/reliability.md, "Bad input". Cases the library does
 not handle yet are ``xfail(strict=True)`` with the reason and the fix, so that fixing them turns
 the suite red until the mark is removed.
 """
@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from reference import CompressedMean
-from workers_util import AXIS
+from support.mapping import AXIS
+from support.reference import CompressedMean
 
 import optax_zero_one as ozo
 
@@ -288,7 +288,7 @@ def test_low_precision_scalar_and_zero_size_leaves_are_handled(name):
         assert np.all(np.isfinite(xs[key])), key
         assert distance[-1].max() < 0.75, (key, distance[-1])  # it moved toward the target
         # every worker holds the same params after a sync (step 12), up to the rounding of
-        # x + u in the params' dtype (0/1 Adam; exactly the same for the others)
+        # x + (xbar - x) in the params' dtype (0/1 Adam; exactly the same for the others)
         ulps = 2 * float(jnp.finfo(ODD_TREE[key].dtype).eps) if name == "zero_one_adam" else 0
         synced = xs[key][11]
         np.testing.assert_allclose(synced, np.broadcast_to(synced[0], synced.shape), rtol=ulps)

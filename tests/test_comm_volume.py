@@ -3,7 +3,7 @@
 The schedule (kappa = 2, F = 41, alpha = 10, H = 4, 68 steps) is small enough to list: variance
 steps 1, 2, 4, 6, 8, 12, 16, 24, 32; syncs every step 42..51 (interval 1 for alpha = 10 steps),
 then every 2nd step to 60, then every 4th: 64, 68. The bytes of a float and of a 1-bit step are
-written out from ALGORITHM.md (ring all-reduce; padding to N lcm(N, 8); 4-byte scales), not
+written out from docs/algorithm.md (ring all-reduce; padding to N lcm(N, 8); 4-byte scales), not
 taken from the library, so that neither the HLO reading nor the accounting can drift.
 """
 

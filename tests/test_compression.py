@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import padded_size as ref_padded_size
+from support.reference import padded_size as ref_padded_size
 
 from optax_zero_one import compression, flat
 

@@ -70,13 +70,24 @@ def test_rosenbrock(name):
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_no_recompilation_on_second_update(name):
+    """The state that update returns has the types init gave it: jit traces update once."""
     tx = OPTIMIZERS[name](0.1)
     params = {"a": jnp.ones((3, 2)), "b": jnp.zeros(4)}
     state = tx.init(params)
-    update = jax.jit(tx.update)
+    traces = []
+
+    def counted(updates, state, params):
+        traces.append(1)  # runs at trace time only
+        return tx.update(updates, state, params)
+
+    update = jax.jit(counted)
     for _ in range(3):
         updates, state = update(params, state, params)
-    assert update._cache_size() == 1
+    assert len(traces) == 1
+    fresh = tx.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(fresh)
+    dtypes = lambda tree: [jnp.result_type(x) for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert dtypes(state) == dtypes(fresh)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

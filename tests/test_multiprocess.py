@@ -1,15 +1,17 @@
 """0/1 Adam across processes (jax.distributed, gloo on CPU) against one process.
 
-``benchmarks/multiprocess_train.py`` trains a small MLP for 40 steps through variance,
+``benchmarks/jobs/multiprocess_train.py`` trains a small MLP for 40 steps through variance,
 compressed, local and sync steps and saves params and optimizer state after every step. It runs
-on 2 processes x 2 devices (through ``benchmarks.launch``) and on 1 process x 4 devices (JAX's
-in-process collectives), at the same time, in subprocesses.
+on 2 processes x 2 devices (through ``optax_zero_one.launch``) and on 1 process x 4 devices
+(JAX's in-process collectives), at the same time, in subprocesses.
 
 - ``exact`` mode (gradients on a grid where any float summation order is exact): every leaf of
   params and state, on every worker, after every step, is bitwise identical. The byte
   collectives (all-to-all, all-gather) move bits, and the servers sum in a fixed order.
 - ``raw`` mode: the multi-process float all-reduce of variance steps sums in another order than
   the in-process one, so float leaves agree to rounding; counters and step kinds exactly.
+- ``optax_zero_one.unreplicate`` of arrays that span both processes returns this process's first
+  worker, and refuses a worker of the other process.
 """
 
 import os
@@ -27,12 +29,12 @@ KINDS = ("variance", "compressed", "local", "sync")
 
 def _start(out: Path, processes: int, devices: int) -> subprocess.Popen:
     env = dict(os.environ, PJRT_NPROC=str(2 * devices), JAX_PLATFORMS="cpu")
-    train = ["benchmarks.multiprocess_train", "--out", str(out), "--steps", str(STEPS)]
+    train = ["benchmarks.jobs.multiprocess_train", "--out", str(out), "--steps", str(STEPS)]
     if processes == 1:  # the plain single-process reference, no jax.distributed
-        env["OZO_DEVICES_PER_PROCESS"] = str(devices)
+        env["JAX_NUM_CPU_DEVICES"] = str(devices)
         cmd = [sys.executable, "-m", *train]
     else:
-        launch = ["benchmarks.launch", "--processes", str(processes)]
+        launch = ["optax_zero_one.launch", "--processes", str(processes)]
         launch += ["--devices-per-process", str(devices), "--timeout", "280", "--"]
         cmd = [sys.executable, "-m", *launch, *train]
     return subprocess.Popen(
@@ -108,3 +110,20 @@ def test_raw_gradients_agree_to_float_rounding(runs):
             continue
         scale = float(np.max(np.abs(b[key]), initial=0.0))
         np.testing.assert_allclose(a[key], b[key], rtol=0, atol=1e-4 * scale, err_msg=where)
+
+
+def test_unreplicate_reads_this_processs_rows(runs):
+    for name in ("2x2", "1x4"):
+        for path in sorted(runs[name].glob("exact_p*.npz")):
+            part = dict(np.load(path))
+            worker = int(part["unreplicated_worker"])
+            assert worker == part["workers"][0], (name, path.name)  # p1 of 2x2: worker 2
+            row = list(part["workers"]).index(worker)
+            keys = sorted(k for k in part if k.startswith("unreplicated_leaf"))
+            assert len(keys) == len(part["names"])
+            for j, key in enumerate(keys):
+                final = part[f"step{STEPS:03d}_leaf{j:03d}"][row]
+                np.testing.assert_array_equal(part[key], final, err_msg=f"{name} {path.name}")
+    refusals = [str(np.load(p)["unreplicate_refusal"]) for p in runs["2x2"].glob("exact_p*.npz")]
+    assert len(refusals) == 2
+    assert all("is not on a device of this process" in r for r in refusals), refusals

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import reference
-from workers_util import AXIS, MODES, mapped
+from support import reference
+from support.mapping import AXIS, MODES, mapped
 
 import optax_zero_one as ozo
 

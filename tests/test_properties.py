@@ -24,7 +24,7 @@ import optax
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
-from workers_util import AXIS
+from support.mapping import AXIS
 
 import optax_zero_one as ozo
 from optax_zero_one.collective import init_errors

@@ -13,9 +13,10 @@ import optax
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from workers_util import AXIS, MODES, mapped
+from support import mapping
+from support.mapping import AXIS, MODES, mapped
+from support.reference import PsumReference
 
 import optax_zero_one as ozo
 from optax_zero_one import psum_mean
@@ -25,65 +26,13 @@ from optax_zero_one.flat import FlatTree, Layout, to_flat
 SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
 
 
-# --------------------------------------------------------------------------------------------
-# An independent float64 reference of the scheme (psum_mean's module docstring), in NumPy.
-
-
-class PsumReference:
-    """``N`` explicit workers; the psum is a Python sum of their 0/1 signs and float32 scales."""
-
-    def __init__(self, shapes, num_workers):
-        self.n = num_workers
-        self.sizes = [math.prod(s) for s in shapes]
-        self.shapes = shapes
-        self.errors = [[np.zeros(s) for s in self.sizes] for _ in range(num_workers)]
-        self.scales = []
-
-    def __call__(self, zs):
-        """``zs[worker][leaf]`` -> the mean every worker receives, one array per leaf."""
-        n, outs, self.scales = self.n, [], []
-        for leaf, (size, shape) in enumerate(zip(self.sizes, self.shapes)):
-            if n == 1 or size == 0:
-                outs.append(np.asarray(zs[0][leaf], np.float64).reshape(shape))
-                continue
-            a = [np.asarray(zs[i][leaf], np.float64).reshape(-1) + self.errors[i][leaf]
-                 for i in range(n)]  # fmt: skip
-            wire = [np.float32(np.linalg.norm(x) / math.sqrt(size)) for x in a]  # float32 scales
-            shared = math.fsum(float(s) for s in wire) / n  # their exact mean
-            positive = [x >= 0 for x in a]
-            count = sum(p.astype(np.int64) for p in positive)
-            outs.append((shared * (2 * count - n) / n).reshape(shape))
-            for i in range(n):
-                self.errors[i][leaf] = a[i] - shared * np.where(positive[i], 1.0, -1.0)
-            self.scales.append(shared)
-        return outs
-
-
 def make_inputs(n, calls, seed=0, dtypes=None):
-    """calls x tree (list of leaves, worker layout), worker magnitudes spread over 1e-2..1e2."""
-    rng = np.random.default_rng(seed)
-    dtypes = dtypes or [np.float32] * len(SHAPES)
-    out = []
-    for _ in range(calls):
-        tree = []
-        for shape, dtype in zip(SHAPES, dtypes):
-            scale = 10.0 ** rng.uniform(-2, 2, size=(n,) + (1,) * len(shape))
-            shift = rng.standard_normal(shape)  # a signal shared by the workers, plus noise
-            tree.append(((shift + rng.standard_normal((n, *shape))) * scale).astype(dtype))
-        out.append(tree)
-    return out
+    """Worker magnitudes spread over 1e-2..1e2, a signal shared by the workers plus noise."""
+    return mapping.make_inputs(SHAPES, n, calls, seed, dtypes, spread=(-2, 2), shared=True)
 
 
 def run_calls(n, inputs, mode="vmap"):
-    tx = ozo.onebit_mean(AXIS, collective="psum")
-    state = mapped(tx.init, mode, n)(inputs[0])
-    step = mapped(lambda t, s: tx.update(t, s), mode, n)
-    outs = []
-    for tree in inputs:
-        out, state = step(tree, state)
-        jax.block_until_ready(out)
-        outs.append(out)
-    return outs, state
+    return mapping.run_calls(ozo.onebit_mean(AXIS, collective="psum"), n, inputs, mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,11 +259,6 @@ def test_backend_names_and_states_are_checked():
         step(params, two_phase)
 
 
-def _sharded_specs(mesh, tree):
-    sh = NamedSharding(mesh, P(AXIS))
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree)
-
-
 def test_compiled_program_is_one_integer_all_reduce():
     """8 devices, 1M float32 in 8 leaves: one u32 all-reduce and no other collective, of
     exactly ceil(T / 8) + 13 L words; 8x below a float pmean, 4x above the two-phase one."""
@@ -333,7 +277,9 @@ def test_compiled_program_is_one_integer_all_reduce():
             return jax.tree.map(lambda x: x[None], out)
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-        return ozo.comm_stats(fn, _sharded_specs(mesh, tree), _sharded_specs(mesh, state))
+        return ozo.comm_stats(
+            fn, mapping.sharded_specs(mesh, tree), mapping.sharded_specs(mesh, state)
+        )
 
     stats = stats_of("psum")
     assert stats.count() == 1 and stats.count("all-reduce") == 1, stats.table()

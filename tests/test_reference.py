@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from reference import (
+from support.reference import (
     CompressedMean,
     OnebitAdam,
     ZeroOneAdam,

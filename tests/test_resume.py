@@ -1,7 +1,8 @@
 """Exact resume from Orbax checkpoints after SIGKILL, and restoring onto another worker count.
 
-The kill test runs ``resume_worker.py`` (0/1 Adam, 4 workers, 42 steps, a checkpoint every third
-step) three times in a row on one checkpoint directory, alternating ``pmap`` and ``shard_map``
+The kill test runs ``support/jobs/resume_worker.py`` (0/1 Adam, 4 workers, 42 steps, a checkpoint
+every third step) three times in a row on one checkpoint directory, alternating ``pmap`` and
+``shard_map``
 (which compile the same per-device program): the first process (pmap) is killed with SIGKILL at
 a random step before the variance freeze, the second (shard_map) resumes, crosses the freeze and
 is killed at a random step in phase B, the third (pmap) resumes from a checkpoint taken in the
@@ -24,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import resume_worker as rw
-from workers_util import AXIS
+from support.jobs import resume_worker as rw
+from support.mapping import AXIS
 
 import optax_zero_one as ozo
 
-SCRIPT = Path(__file__).with_name("resume_worker.py")
+TESTS = Path(__file__).parent  # the job runs as python -m support.jobs.resume_worker from here
 FREEZE = rw.SCHEDULE["var_freeze_step"]
 WORKERS = 4
 TIMEOUT_S = 300
@@ -42,11 +43,13 @@ class Run:
         self.log = open(tmp_path / f"{name}.stderr", "w")  # noqa: SIM115 (closed in finish)
         cmd = [
             sys.executable,
-            str(SCRIPT),
+            *("-m", "support.jobs.resume_worker"),
             *("--mode", mode, "--workers", str(WORKERS), "--ckpt", str(tmp_path / "ckpt")),
             *("--compile-cache", str(tmp_path / "compile_cache"), *extra),
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=TESTS, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
         self.watchdog = threading.Timer(TIMEOUT_S, self.proc.kill)
         self.watchdog.start()
         self.restored, self.digests, self.name = None, {}, name

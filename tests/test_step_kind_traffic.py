@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from workers_util import AXIS
+from support.mapping import AXIS
 
 import optax_zero_one as ozo
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import reference
-from workers_util import AXIS, MODES, mapped
+from support import reference
+from support.mapping import AXIS, MODES, mapped
 
 import optax_zero_one as ozo
 
@@ -103,7 +103,7 @@ def test_local_sgd_with_onebit_averaging():
     for k in range(1, steps + 1):
         x, state = run(x, state, jnp.asarray(targets))
         spread = float(jnp.max(jnp.abs(x - x[0])))
-        if k in syncs:  # every worker returns to the anchor (up to the rounding of x + u)
+        if k in syncs:  # every worker lands on the anchor (up to rounding x + (xbar - x))
             ulp = float(jnp.finfo(jnp.float32).eps * jnp.max(jnp.abs(x)))
             assert spread <= 2 * ulp, f"workers differ after sync step {k}"
         elif k > 1:

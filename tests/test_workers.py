@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from workers_util import AXIS, mapped
+from support.mapping import AXIS, mapped
 
 import optax_zero_one as ozo
 

@@ -1,4 +1,4 @@
-"""Independent float64 NumPy reference of ``ALGORITHM.md``, used by the tests.
+"""Independent float64 NumPy references of the algorithms (``docs/algorithm.md``), for the tests.
 
 This module is written from the specification alone (it imports nothing from
 ``optax_zero_one``), so that the library can be checked against it. It favours being
@@ -237,7 +237,7 @@ def _apply_mask(mask: list[np.ndarray] | None, leaves: list[np.ndarray]) -> list
 
 
 class ZeroOneAdam:
-    """0/1 Adam over ``N`` simulated workers (``ALGORITHM.md``, section "0/1 Adam")."""
+    """0/1 Adam over ``N`` simulated workers (``docs/algorithm.md``, "0/1 Adam")."""
 
     def __init__(
         self,
@@ -349,7 +349,7 @@ class ZeroOneAdam:
 
 
 class OnebitAdam:
-    """1-bit Adam over ``N`` simulated workers (``ALGORITHM.md``, section "1-bit Adam")."""
+    """1-bit Adam over ``N`` simulated workers (``docs/algorithm.md``, "1-bit Adam")."""
 
     def __init__(
         self,
@@ -408,3 +408,37 @@ class OnebitAdam:
                 d = self.m[i][leaf] / (np.sqrt(self.v[i][leaf]) + self.eps) + wd * x
                 self.x[i][leaf] = x - lr * d
         self.step_count = k
+
+
+# --------------------------------------------------------------------------------------------
+# The psum backend (``collective="psum"``): every worker uses the mean of the workers' scales.
+
+
+class PsumReference:
+    """``N`` explicit workers; the psum is a Python sum of their 0/1 signs and float32 scales."""
+
+    def __init__(self, shapes, num_workers):
+        self.n = num_workers
+        self.sizes = [math.prod(s) for s in shapes]
+        self.shapes = shapes
+        self.errors = [[np.zeros(s) for s in self.sizes] for _ in range(num_workers)]
+        self.scales = []
+
+    def __call__(self, zs):
+        """``zs[worker][leaf]`` -> the mean every worker receives, one array per leaf."""
+        n, outs, self.scales = self.n, [], []
+        for leaf, (size, shape) in enumerate(zip(self.sizes, self.shapes)):
+            if n == 1 or size == 0:
+                outs.append(np.asarray(zs[0][leaf], np.float64).reshape(shape))
+                continue
+            a = [np.asarray(zs[i][leaf], np.float64).reshape(-1) + self.errors[i][leaf]
+                 for i in range(n)]  # fmt: skip
+            wire = [np.float32(np.linalg.norm(x) / math.sqrt(size)) for x in a]  # float32 scales
+            shared = math.fsum(float(s) for s in wire) / n  # their exact mean
+            positive = [x >= 0 for x in a]
+            count = sum(p.astype(np.int64) for p in positive)
+            outs.append((shared * (2 * count - n) / n).reshape(shape))
+            for i in range(n):
+                self.errors[i][leaf] = a[i] - shared * np.where(positive[i], 1.0, -1.0)
+            self.scales.append(shared)
+        return outs

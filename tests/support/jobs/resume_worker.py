@@ -1,9 +1,9 @@
 """A 0/1 Adam training run that checkpoints with Orbax, can be killed at any step, and resumes.
 
-Driven by ``tests/test_resume.py`` as a subprocess::
+Driven by ``tests/test_resume.py`` as a subprocess, from ``tests/``::
 
-    python tests/resume_worker.py --mode shard_map --workers 4 --ckpt DIR [--pace 0.02]
-                                  [--reference OUT.json]
+    python -m support.jobs.resume_worker --mode shard_map --workers 4 --ckpt DIR [--pace 0.02]
+                                         [--reference OUT.json]
 
 It resumes from the latest checkpoint in ``DIR`` if there is one (printing
 ``restored STEP DIGEST KIND ACCUMULATOR_NONZERO``), then trains to ``STEPS``, saving every
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-if __name__ == "__main__":  # before JAX initialises its backend (see JAX_NOTES.md)
+if __name__ == "__main__":  # before JAX initialises its backend (docs/testing.md)
     os.environ.setdefault("PJRT_NPROC", "16")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -40,9 +40,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-from workers_util import AXIS, mapped  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
+from support.mapping import AXIS, mapped  # noqa: E402
 
 STEPS = 42
 SAVE_STEPS = tuple(range(3, STEPS + 1, 3))
