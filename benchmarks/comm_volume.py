@@ -2,15 +2,15 @@
 
 ``python -m benchmarks.comm_volume`` (options: ``--help``). For each model (default BERT-Large;
 ``--models bert-base bert-large gpt2`` for the three the paper trained, see
-:mod:`benchmarks.model_trees`) and each worker count ``N`` (default 8, 16, 32, 64, 128):
+:mod:`benchmarks.support.model_trees`) and each worker count ``N`` (default 8, 16, 32, 64, 128):
 
 1. **What one step of each kind sends** is read from compiled programs, not estimated: one
    optimizer update per step kind is compiled (compile only, ``jax.ShapeDtypeStruct`` inputs) on
    ``N`` simulated CPU devices under ``jax.shard_map``, with the optimizer's counters pinned (as
    Python ints) to a step of that kind so that the program holds that kind alone, and
    :func:`optax_zero_one.parse_hlo` reads its collectives. Each program is checked against
-   ``ALGORITHM.md``: variance / warm-up / Adam = float32 all-reduce only; compressed / sync = one
-   u8 all-to-all + one u8 all-gather; local = nothing.
+   ``docs/algorithm.md``: variance / warm-up / Adam = float32 all-reduce only; compressed /
+   sync = one u8 all-to-all + one u8 all-gather; local = nothing.
 2. **How many steps of each kind a run has** comes from walking the optimizers' own policy
    objects over the whole run (no model is run): default BERT-Large seq-128 pre-training as in
    DeepSpeed's recipes (4K batch, 152,500 steps; 1-bit Adam ``freeze_step`` 23,000; 0/1 Adam
@@ -32,8 +32,9 @@ off). Stats are cached per (model, N, optimizer, kind) within the run and in
 everything else a program depends on: an interrupted run resumes, and a rerun against an
 unchanged library compiles nothing (``--cache ''`` to disable).
 
-Writes ``results/comm_volume.json`` and ``results/comm_volume.png`` (cumulative bytes per
-worker over the run, log scale).
+Writes ``results/comm_volume.json``, ``results/comm_volume.png`` (cumulative bytes per worker
+over the run, log scale) and ``results/comm_volume.md`` (the tables as printed, without the
+progress lines).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _max_workers(argv: list[str]) -> int:
     return max(values, default=128)
 
 
-if __name__ == "__main__":  # simulated devices: before JAX starts its backend (JAX_NOTES.md)
+if __name__ == "__main__":  # simulated devices: before JAX starts its backend (docs/testing.md)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("PJRT_NPROC", str(2 * _max_workers(sys.argv[1:])))
 
@@ -73,13 +74,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
-from benchmarks import common, model_trees  # noqa: E402
+from benchmarks.support import common, model_trees  # noqa: E402
 
 ADAM, ONEBIT, ZERO_ONE = "Adam", "1-bit Adam", "0/1 Adam"
 OPTIMIZERS = (ADAM, ONEBIT, ZERO_ONE)
 KIND_NAMES = {ADAM: ("step",), ONEBIT: ozo.ONEBIT_STEP_KINDS, ZERO_ONE: ozo.STEP_KINDS}
 
-# Communication classes, and the class ALGORITHM.md says each step kind must be.
+# Communication classes, and the class docs/algorithm.md says each step kind must be.
 FLOAT, ONE_BIT, SILENT = "float all-reduce", "1-bit", "none"
 EXPECTED = {
     (ADAM, "step"): FLOAT,
@@ -96,7 +97,7 @@ EXPECTED = {
 DEEPSPEED_BUCKET = 500_000_000
 
 # Compute time per step, default: BERT-Large seq-128 pre-training on V100s. NVIDIA's PyTorch
-# BERT (DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md, "Pre-training NVIDIA
+# BERT (DeepLearningExamples, PyTorch/LanguageModeling/BERT, its README: "Pre-training NVIDIA
 # DGX-1 With 32G", pytorch:19.07 container) runs 171.52 sequences/s on one V100-32GB with mixed
 # precision, sequence length 128, batch 64; DeepSpeed's 1-bit / 0/1 Adam BERT-Large recipes use
 # a global batch of 4,096 sequences (deepspeed_bsz4k_*_config_seq128.json). Assumed: each
@@ -514,19 +515,21 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def print_tables(model: str, info: dict, schedule: Schedule, results: dict) -> None:
-    print(
+def print_tables(
+    model: str, info: dict, schedule: Schedule, results: dict, say: Callable[[str], None] = print
+) -> None:
+    say(
         f"\n{model}: {info['numel']:,} parameters in {info['leaves']} leaves; run of "
         f"{schedule.steps:,} steps. Per worker over the whole run:"
     )
-    print(
+    say(
         f"{'N':>4}  {'optimizer':<11}{'bytes':>11}{'vs Adam':>9}{'vs 1-bit':>9}{'rounds':>9}"
         f"{'vs 1-bit':>9}{'launches':>10}{'DS fp32':>13}{'DS fp16x1':>11}{'DS fp16x2':>11}"
     )
     for n, rows in results.items():
         for opt, r in rows.items():
             ds = r["deepspeed_launches"]
-            print(
+            say(
                 f"{n:>4}  {opt:<11}{_bytes(r['bytes_per_worker']):>11}"
                 f"{_pct(r['reduction_vs_adam']['bytes_per_worker']):>9}"
                 f"{_pct(r['reduction_vs_onebit']['bytes_per_worker']):>9}{r['rounds']:>9,}"
@@ -557,11 +560,7 @@ def _library_version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     d = Schedule()
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.comm_volume",
-        description="Data volume, rounds and launches of Adam, 1-bit Adam and 0/1 Adam, from "
-        "compiled programs and the optimizers' own schedules.",
-    )
+    p = common.argument_parser("benchmarks.comm_volume", __doc__)
     p.add_argument("--models", nargs="+", default=["bert-large"], choices=list(model_trees.MODELS))
     p.add_argument("--workers", nargs="+", type=int, default=[8, 16, 32, 64, 128])
     p.add_argument("--steps", type=int, default=d.steps)
@@ -593,11 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plot(path: pathlib.Path, curves: dict[str, dict[str, np.ndarray]], n: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
     for ax, (model, per_opt) in zip(axes[0], curves.items()):
         for opt, per_step in per_opt.items():
@@ -610,9 +605,7 @@ def plot(path: pathlib.Path, curves: dict[str, dict[str, np.ndarray]], n: int) -
         ax.set_title(f"{model}, N = {n} workers")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -633,11 +626,17 @@ def main(argv: list[str] | None = None) -> dict:
         for name, gbit, _ in NETWORKS
     ]
     started = time.perf_counter()
+    report: list[str] = []  # what is printed, less the progress lines: the Markdown report
+
+    def say(text: str = "") -> None:
+        print(text, flush=True)
+        report.append(text)
+
     kinds = step_kinds(schedule)
     counts = kind_counts(kinds)
-    print(f"Step kinds over {schedule.steps:,} steps (walked from the optimizers' policies):")
+    say(f"Step kinds over {schedule.steps:,} steps (walked from the optimizers' policies):")
     for opt, c in counts.items():
-        print(f"  {opt:<11}" + ", ".join(f"{k} {v:,}" for k, v in c.items()))
+        say(f"  {opt:<11}" + ", ".join(f"{k} {v:,}" for k, v in c.items()))
 
     out: dict[str, Any] = {
         "command": "python -m benchmarks.comm_volume " + " ".join(argv or sys.argv[1:]),
@@ -679,28 +678,26 @@ def main(argv: list[str] | None = None) -> dict:
             }
             if n == args.plot_workers or (args.plot_workers not in workers and n == workers[-1]):
                 curves[model] = {o: bytes_per_step(kinds[o], o, per_kind) for o in OPTIMIZERS}
-        print_tables(model, info, schedule, per_n)
-        print("\nFused 1-bit step vs the information limit 2(N-1)/N numel/8 (bytes per worker):")
+        print_tables(model, info, schedule, per_n, say)
+        say("\nFused 1-bit step vs the information limit 2(N-1)/N numel/8 (bytes per worker):")
         for n, lim in limits.items():
             ok = "ok" if lim["within_2_percent"] else "OVER 2%"
-            print(
+            say(
                 f"  N={n:<4}measured {lim['measured_bytes']:>14,.0f}  limit "
                 f"{lim['limit_bytes']:>14,.0f}  x{lim['ratio_to_limit']:.4f} ({ok}); padding "
                 f"+{100 * lim['padding_fraction']:.2f}%, scales +{100 * lim['scale_fraction']:.3f}%"
                 f"; measured = limit + padding + scales: {lim['explained']}"
             )
-        print("\nPROJECTION (latency-bandwidth model, not a measurement): speedup of 0/1 Adam")
-        print(f"{'N':>4} {'compute':>9}  " + "  ".join(f"{name:>20}" for name, _, _ in networks))
-        print(
-            f"{'':>4} {'s/step':>9}  " + "  ".join(f"{'vs Adam / vs 1-bit':>20}" for _ in networks)
-        )
+        say("\nPROJECTION (latency-bandwidth model, not a measurement): speedup of 0/1 Adam")
+        say(f"{'N':>4} {'compute':>9}  " + "  ".join(f"{name:>20}" for name, _, _ in networks))
+        say(f"{'':>4} {'s/step':>9}  " + "  ".join(f"{'vs Adam / vs 1-bit':>20}" for _ in networks))
         for n, proj in projections.items():
             cells = [
                 f"{proj[name]['speedup_zero_one_vs_adam']:>8.2f}x / "
                 f"{proj[name]['speedup_zero_one_vs_onebit']:.2f}x"
                 for name, _, _ in networks
             ]
-            print(f"{n:>4} {proj['compute_s']:>9.3f}  " + "  ".join(f"{c:>20}" for c in cells))
+            say(f"{n:>4} {proj['compute_s']:>9.3f}  " + "  ".join(f"{c:>20}" for c in cells))
         out["models"][model] = {
             **info,
             "per_workers": {str(n): per_n[n] for n in workers},
@@ -715,7 +712,10 @@ def main(argv: list[str] | None = None) -> dict:
     path.write_text(json.dumps(out, indent=1, default=float))
     if curves and args.plot:
         plot(pathlib.Path(args.plot), curves, args.plot_workers)
-    print(f"\nwrote {path}" + (f" and {args.plot}" if curves and args.plot else ""))
+    md = path.with_suffix(".md")
+    head = f"# `{out['command'].strip()}` (library {out['library']}, {out['wall_s']:,.0f} s)"
+    md.write_text("\n".join([head, "", "```", *report, "```", ""]))
+    print(f"\nwrote {path}, {md}" + (f" and {args.plot}" if curves and args.plot else ""))
     print(f"total {out['wall_s']:.0f} s")
     return out
 

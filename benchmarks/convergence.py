@@ -4,7 +4,7 @@ Run as ``python -m benchmarks.convergence [--quick] [--workload digits] [--steps
 
 Every optimizer trains the same model from the same initialisation on the same data: 8 workers
 (``jax.shard_map`` over 8 simulated CPU devices), each on its own shard of the training data
-(``benchmarks/workloads.py``), with one learning-rate schedule (linear warm-up for 5% of the
+(``benchmarks/support/workloads.py``), with one learning-rate schedule (linear warm-up for 5% of the
 steps, then cosine decay to 10% of the peak) and one set of Adam constants:
 
 - ``adamw``: ``optax.adamw``, gradients averaged by a float32 ``pmean`` (what users run today);
@@ -31,9 +31,10 @@ Recorded per optimizer: training loss each step (mean over workers), validation 
 accuracy for ``digits``) every ``eval_every`` steps at the synchronised parameters
 (:func:`optax_zero_one.synchronized_params`), wall time, the step kinds taken, and bytes sent per
 worker: for each step kind, the whole training step compiled with the counters pinned to that
-kind, read with :func:`optax_zero_one.parse_hlo` (``benchmarks/common.py``), times the number of
-steps of that kind. The compressing optimizers get the workload's mask of parameters whose
-gradient is always exactly zero (``digits``: the constant corner pixels; ``char_lm``: none).
+kind, read with :func:`optax_zero_one.parse_hlo` (``benchmarks/support/common.py``), times the
+number of steps of that kind. The compressing optimizers get the workload's mask of parameters
+whose gradient is always exactly zero (``digits``: the constant corner pixels; ``char_lm``:
+none).
 
 Writes ``results/convergence.json``, ``.png`` and ``.md`` (``--quick``: ``convergence_quick.*``;
 ``--workload digits``: ``convergence_digits*.*``).
@@ -43,12 +44,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("PJRT_NPROC", "16")  # >= 2x the simulated devices (JAX_NOTES.md)
+os.environ.setdefault("PJRT_NPROC", "16")  # >= 2x the simulated devices (docs/testing.md)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -59,7 +58,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
-from benchmarks import common, workloads  # noqa: E402
+from benchmarks.support import common, workloads  # noqa: E402
 
 NUM_WORKERS = 8
 OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam")  # the default run
@@ -168,11 +167,11 @@ def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, a
         step = jax.jit(common.make_step(spec, workload.loss, mesh), donate_argnums=(0, 1))
         step = step.lower(*args).compile()
         evaluate = jax.jit(
-            common.per_worker(
+            ozo.on_workers(
                 lambda p, s, b: workload.eval_sums(ozo.synchronized_params(p, s), b), mesh
             )
         )
-        evaluate = evaluate.lower(args[0], args[1], common.to_workers(workload.eval_batch, mesh))
+        evaluate = evaluate.lower(args[0], args[1], ozo.to_workers(workload.eval_batch, mesh))
         _PROGRAMS[key] = (spec, step, evaluate.compile(), time.perf_counter() - start, {})
     return _PROGRAMS[key]
 
@@ -181,16 +180,14 @@ def train(
     name: str, cfg: Config, workload: workloads.Workload, mesh: Any, progress: bool = True
 ) -> dict[str, Any]:
     """Trains one optimizer; returns its curves, step kinds, traffic and timings."""
-    init = jax.jit(
-        common.per_worker(lambda p: make_spec(name, cfg, workload.mask).tx.init(p), mesh)
-    )
-    params = common.to_workers(ozo.replicate(workload.init_params(cfg.seed), NUM_WORKERS), mesh)
+    init = jax.jit(ozo.on_workers(lambda p: make_spec(name, cfg, workload.mask).tx.init(p), mesh))
+    params = ozo.to_workers(ozo.replicate(workload.init_params(cfg.seed), NUM_WORKERS), mesh)
     state = init(params)
-    batch = common.to_workers(workload.train_batch(0), mesh)
+    batch = ozo.to_workers(workload.train_batch(0), mesh)
     spec, step, evaluate, compile_s, traffic_cache = _programs(
         cfg, name, workload, mesh, (params, state, batch)
     )
-    eval_batch = common.to_workers(workload.eval_batch, mesh)
+    eval_batch = ozo.to_workers(workload.eval_batch, mesh)
 
     def validate(params: Any, state: Any) -> dict[str, float]:
         sums = {
@@ -204,7 +201,7 @@ def train(
     bar = _progress(range(cfg.steps), name, progress)
     for i in bar:
         start = time.perf_counter()
-        batch = common.to_workers(workload.train_batch(i), mesh)
+        batch = ozo.to_workers(workload.train_batch(i), mesh)
         params, state, loss, kind = common.run_step(step, params, state, batch)
         kind = np.asarray(kind)
         if not (kind == kind[0]).all():
@@ -266,8 +263,8 @@ def _progress(steps: range, name: str, enabled: bool) -> Any:
 
 def run(cfg: Config, progress: bool = True) -> dict[str, Any]:
     """Trains every optimizer of ``cfg`` and returns the JSON-ready result (no files written)."""
-    common.use_simulated_cpu_devices(NUM_WORKERS)
-    mesh = common.worker_mesh(NUM_WORKERS)
+    common.setup_cpu_devices(NUM_WORKERS)
+    mesh = ozo.worker_mesh(common.AXIS, NUM_WORKERS)
     workload = make_workload(cfg)
     variance, local = cfg.policies()
     start, cpu = time.perf_counter(), time.process_time()
@@ -372,11 +369,7 @@ def table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     """Validation loss against steps and against megabytes sent per worker."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, r in result["runs"].items():
         val = r["val"]
@@ -392,9 +385,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{NUM_WORKERS} workers: {result['workload'].split(';')[0]}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -413,16 +404,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 def write(result: dict[str, Any], out_dir: pathlib.Path, stem: str) -> tuple[pathlib.Path, ...]:
     """Writes ``<stem>.json``, ``<stem>.png`` and ``<stem>.md`` under ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = tuple(out_dir / f"{stem}.{ext}" for ext in ("json", "png", "md"))
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, paths[1])
-    paths[2].write_text(markdown(result))
-    return paths
+    return common.write_results(out_dir / f"{stem}.json", result, markdown(result), plot)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.argument_parser("benchmarks.convergence", __doc__)
     parser.add_argument("--quick", action="store_true", help="the few-minute demo")
     parser.add_argument("--workload", choices=("char_lm", "digits"), default="char_lm")
     parser.add_argument("--steps", type=int, help="override the number of steps")
@@ -436,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
-    common.use_simulated_cpu_devices(NUM_WORKERS)
+    common.setup_cpu_devices(NUM_WORKERS)
     cfg = PRESETS[(args.workload, "quick" if args.quick else "full")]
     overrides = {"seed": args.seed, "optimizers": tuple(args.optimizers)}
     if args.steps:

@@ -1,7 +1,7 @@
 """Long runs: error buffers stay bounded, memory stays flat, results do not drift.
 
-Two runs on 8 simulated CPU workers (``jax.shard_map``; every step waited for, see
-``JAX_NOTES.md``):
+Three runs on 8 simulated CPU workers (``jax.shard_map``; every step waited for, see
+``docs/testing.md``):
 
 1. **Compressed mean, 20,000 calls** on random inputs (a fixed signal plus noise whose scale
    varies 100x between workers and calls, with exact zeros) over a tree of 4 leaves (~17k
@@ -23,8 +23,9 @@ Usage::
 
     python -m benchmarks.long_run [--quick] [--out results/long_run.json]
 
-``--quick`` runs 2,000 and 500 steps (a smoke test). Figures are printed and saved as JSON, plus
-a Markdown summary next to it.
+``--quick`` runs 2,000 and 500 steps (a smoke test). Figures are printed and saved as JSON
+(``--out``, default ``results/long_run.json``), with a Markdown summary (``.md``) and a figure
+(``.png``: error buffers and drift, 0/1 Adam's loss, memory over the run) beside it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ import os
 os.environ.setdefault("PJRT_NPROC", "16")  # before JAX starts (simulated-device deadlock)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,10 +45,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
+from benchmarks.support import common  # noqa: E402
 from optax_zero_one.collective import init_errors  # noqa: E402
 from optax_zero_one.flat import to_flat  # noqa: E402
 
@@ -73,24 +71,20 @@ def memory_sample() -> dict:
     return {"rss_mib": round(rss_mib(), 1), "live_arrays": len(jax.live_arrays())}
 
 
-def per_worker(fn: Any, num_workers: int = WORKERS) -> tuple[Any, NamedSharding]:
-    """``fn`` (one worker's view) under ``shard_map``, every argument and result with a leading
-    worker axis; and the sharding to put its inputs in."""
-    mesh = jax.make_mesh(
-        (num_workers,),
-        (AXIS,),
-        devices=jax.devices()[:num_workers],
-        axis_types=(jax.sharding.AxisType.Auto,),
-    )
+def per_worker(fn: Any) -> tuple[Any, jax.sharding.Mesh]:
+    """``fn`` (one worker's view) on :data:`WORKERS` workers under ``shard_map``, jitted, every
+    argument and result with a leading worker axis; and the mesh to put its inputs on."""
+    mesh = ozo.worker_mesh(AXIS, WORKERS)
+    return jax.jit(ozo.on_workers(fn, mesh)), mesh
 
-    def body(*args: Any) -> Any:
-        out = fn(*jax.tree.map(lambda x: x[0], args))
-        return jax.tree.map(lambda x: x[None], out)
 
-    spec = P(AXIS)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)), NamedSharding(
-        mesh, spec
-    )
+def _curve(x: np.ndarray, points: int = 400) -> list[float]:
+    """``x`` at about ``points`` evenly spread indices (for the figure)."""
+    return [float(v) for v in x[_curve_index(len(x), points)]]
+
+
+def _curve_index(n: int, points: int = 400) -> np.ndarray:
+    return np.unique(np.linspace(0, n - 1, min(points, n)).astype(int))
 
 
 def _node(state: Any, cls: type) -> Any:
@@ -150,10 +144,10 @@ def compressed_mean_run(calls: int, report_every: int = 1000) -> dict:
         )
         return errors, drift, figures
 
-    step, sharding = per_worker(call)
+    step, mesh = per_worker(call)
     zeros = {k: jnp.zeros(s) for k, s in TREE.items()}
-    errors = jax.device_put(ozo.replicate(init_errors(LAYOUT), WORKERS), sharding)
-    drift = jax.device_put(ozo.replicate(zeros, WORKERS), sharding)
+    errors = ozo.to_workers(ozo.replicate(init_errors(LAYOUT), WORKERS), mesh)
+    drift = ozo.to_workers(ozo.replicate(zeros, WORKERS), mesh)
     rows, memory, start = np.zeros((calls, 6), np.float32), [], time.time()  # preallocated
     for k in range(1, calls + 1):
         errors, drift, figures = step(errors, drift, jnp.full((WORKERS,), k, jnp.int32))
@@ -179,6 +173,13 @@ def compressed_mean_run(calls: int, report_every: int = 1000) -> dict:
         "identity_gap_max": float(gap.max()),
         "input_rms_mean": float(z_rms.mean()),
         "memory": memory,
+        "curves": {
+            "call": [int(i) + 1 for i in _curve_index(calls)],
+            "worker_error_rms": _curve(ew),
+            "server_error_rms": _curve(es),
+            "drift_rms": _curve(drift_rms),
+            "input_rms": _curve(z_rms),
+        },
     }
 
 
@@ -260,14 +261,12 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
         )
         return params, state, ref, ref_state, figures
 
-    run, sharding = per_worker(step)
+    run, mesh = per_worker(step)
     init, _ = per_worker(tx.init)
-    params = jax.device_put(ozo.replicate(init_mlp(jax.random.key(4)), WORKERS), sharding)
+    params = ozo.to_workers(ozo.replicate(init_mlp(jax.random.key(4)), WORKERS), mesh)
     state = init(params)
     ref = params
-    ref_state = jax.device_put(
-        ozo.replicate(adam.init(init_mlp(jax.random.key(4))), WORKERS), sharding
-    )
+    ref_state = ozo.to_workers(ozo.replicate(adam.init(init_mlp(jax.random.key(4))), WORKERS), mesh)
     variance = ozo.VarianceDoubling(freeze, 16)
     local = ozo.LocalStepDoubling(max(steps // 12, 1), 16)
     kinds = _kinds(variance, local, steps)
@@ -312,6 +311,13 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
             "last_tenth_mean": float(after_freeze[-max(len(after_freeze) // 10, 1) :].mean()),
         },
         "memory": memory,
+        "curves": {
+            "step": [int(i) + 1 for i in _curve_index(steps)],
+            "eval_loss": _curve(eval_loss),
+            "adam_eval_loss": _curve(ref_loss),
+            "worker_error_rms": _curve(ew),
+            "grad_rms": _curve(grad_rms),
+        },
     }
 
 
@@ -444,12 +450,43 @@ def markdown(result: dict) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def plot(result: dict, path: Path) -> None:
+    """Error buffers and drift of the compressed mean, 0/1 Adam's loss, and memory, over the run."""
+    plt = common.pyplot()
+    cm, za = result["compressed_mean"], result["zero_one_adam"]
+    fig, (mean, adam, memory) = plt.subplots(1, 3, figsize=(15, 4))
+    c = cm["curves"]
+    labels = {
+        "worker_error_rms": "worker error RMS (max)",
+        "server_error_rms": "server error RMS (max)",
+        "drift_rms": "drift RMS, sum(out - mean)",
+        "input_rms": "input RMS",
+    }
+    for key, label in labels.items():
+        mean.plot(c["call"], c[key], label=label)
+    mean.set(xlabel="call", yscale="log", title=f"compressed mean, {cm['elements']:,} elements")
+    c = za["curves"]
+    adam.plot(c["step"], c["eval_loss"], label="0/1 Adam (synchronised params)")
+    adam.plot(c["step"], c["adam_eval_loss"], label="optax.adam on the float mean")
+    adam.set(xlabel="step", ylabel="eval loss", yscale="log", title="0/1 Adam, MLP regression")
+    for name, run, x in (("compressed mean", cm, "call"), ("0/1 Adam", za, "step")):
+        samples = run["memory"]
+        done = [m[x] / samples[-1][x] for m in samples]
+        memory.plot(done, [m["rss_mib"] for m in samples], "o-", label=name)
+    memory.set(xlabel="fraction of the run", ylabel="RSS (MiB)", title="process memory")
+    for ax in (mean, adam, memory):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Long runs, {WORKERS} simulated CPU workers (shard_map)")
+    common.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = common.argument_parser("benchmarks.long_run", __doc__)
     parser.add_argument("--quick", action="store_true", help="2,000 calls and 500 steps")
-    parser.add_argument("--out", default="results/long_run.json")
-    args = parser.parse_args()
-    jax.config.update("jax_num_cpu_devices", WORKERS)
+    parser.add_argument("--out", default="results/long_run.json", help=".md, .png beside it")
+    args = parser.parse_args(argv)
+    common.setup_cpu_devices(WORKERS)
     calls, steps = (2_000, 500) if args.quick else (20_000, 5_000)
     print(f"compressed mean, {calls} calls on {WORKERS} workers", flush=True)
     result = {"compressed_mean": compressed_mean_run(calls, max(calls // 20, 1))}
@@ -457,11 +494,11 @@ def main() -> None:
     result["zero_one_adam"] = zero_one_adam_run(steps, max(steps // 20, 1))
     print(f"params spread after syncs, bfloat16 vs float32, {2 * steps // 5} steps", flush=True)
     result["sync_spread"] = sync_spread_run(2 * steps // 5)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    report = markdown(result)
+    paths = common.write_results(args.out, result, report, plot)
+    print(report)
+    print("wrote " + ", ".join(map(str, paths)))
+    return result
 
 
 if __name__ == "__main__":

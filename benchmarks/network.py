@@ -6,22 +6,24 @@
     sudo .venv/bin/python -m benchmarks.network --quick    # a one-minute smoke run
 
 For each process count ``P`` it creates a private network namespace whose loopback is shaped
-with ``tc tbf`` (``benchmarks/netns.py``), starts ``P`` processes in it with
-``benchmarks.launch`` (one CPU device each, ``jax.distributed`` over 127.0.0.1, so every
-collective crosses the link), and runs ``benchmarks/network_worker.py`` there: at each rate, a
+with ``tc tbf`` (``benchmarks/support/netns.py``), starts ``P`` processes in it with
+``optax_zero_one.launch`` (one CPU device each, ``jax.distributed`` over 127.0.0.1, so every
+collective crosses the link), and runs ``benchmarks/jobs/network_worker.py`` there: at each rate, a
 timed window of each optimizer on the same model and batch, plus the no-communication limit
 (each worker steps alone). The namespace is always removed, also on Ctrl-C or failure.
 
 Reported per ``P`` and rate: steps/s, speedup over AdamW and over 1-bit Adam, fraction of the
 no-communication limit, bytes per step counted on the link (``tx_bytes`` of the namespace's
 loopback) beside the bytes the compiled programs send (``optax_zero_one.parse_hlo``, times
-``P``: all processes share the one link). Table on stdout, ``results/network.json``,
-``results/network.png``. Needs root and iproute2; says so and exits with status 2 otherwise.
+``P``: all processes share the one link). Tables on stdout and in ``results/network.md``, with
+``results/network.json`` and ``results/network.png`` (``--out``; the ``.md`` and ``.png`` beside
+it). Options the script does not know go to the worker (``--rounds``, ``--width``, ...; see
+``python -m benchmarks.jobs.network_worker --help``). Needs root and iproute2; says so and exits
+with status 2 otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,7 +31,8 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import launch, netns
+from benchmarks.support import common, netns
+from optax_zero_one.launch import launch
 
 OPTIMIZERS = ("AdamW", "1-bit Adam", "0/1 Adam (phase B)", "no communication")
 SCHEDULE = "0/1 Adam (whole schedule)"
@@ -142,13 +145,33 @@ def schedule_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
+def markdown(summary: dict[str, Any], command: str) -> str:
+    """The tables and the setup, as the Markdown report."""
+    lines = [
+        "# Throughput over a shaped link",
+        "",
+        f"`{command}`: {summary['wall_seconds']:.0f} s; load average (1 min) during the windows "
+        f"{summary['load_average']}.",
+        "",
+        "```",
+        table(summary["rows"]),
+    ]
+    if summary["whole_schedule"]:
+        lines += ["", schedule_table(summary["whole_schedule"])]
+    lines += ["```", ""]
+    lines += [
+        f"- P={run['processes']}: {run['params'] / 1e6:.2f}M params, batch "
+        f"{run['batch_per_worker']} per worker"
+        for run in summary["runs"]
+    ]
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot(summary: dict[str, Any], path: Any) -> None:
     import numpy as np
 
+    plt = common.pyplot()
+    rows = summary["rows"]
     groups = sorted({(r["processes"], r["rate"]) for r in rows}, key=lambda g: (g[0], _bits(g[1])))
     names = list(OPTIMIZERS)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -168,8 +191,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].legend(fontsize=8, loc="upper left")
     fig.suptitle("Throughput over a shaped loopback link (all processes share it), CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    common.save_figure(fig, path, dpi=120)
 
 
 def _bits(rate: str) -> float:
@@ -181,11 +203,10 @@ def _bits(rate: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.argument_parser("benchmarks.network", __doc__)
     parser.add_argument("--processes", default="2,4")
     parser.add_argument("--rates", default="1gbit,100mbit", help="tc rates, fastest first")
-    parser.add_argument("--out", default="results/network.json")
-    parser.add_argument("--plot", default="results/network.png")
+    parser.add_argument("--out", default="results/network.json", help=".md, .png beside it")
     parser.add_argument("--timeout", type=float, default=900, help="per process count, seconds")
     parser.add_argument("--quick", action="store_true", help="tiny model, short windows")
     opts, worker_args = parser.parse_known_args(argv)
@@ -211,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with netns.shaped_namespace(rates[0]) as ns:
                     print(f"== {p} processes in namespace {ns.name} ==", flush=True)
-                    status = launch.launch(
-                        "benchmarks.network_worker",
+                    status = launch(
+                        "benchmarks.jobs.network_worker",
                         ["--out", out, "--rates", opts.rates, *worker_args],
                         processes=p,
                         devices_per_process=1,
@@ -238,12 +259,17 @@ def main(argv: list[str] | None = None) -> int:
             f"P={run['processes']}: {run['params'] / 1e6:.2f}M params, batch "
             f"{run['batch_per_worker']} per worker"
         )
-    os.makedirs(os.path.dirname(opts.out) or ".", exist_ok=True)
-    with open(opts.out, "w") as f:
-        summary = dict(rows=rows, whole_schedule=schedule, runs=runs)
-        json.dump(dict(summary, wall_seconds=time.perf_counter() - started), f, indent=1)
-    plot(rows, opts.plot)
-    print(f"wrote {opts.out} and {opts.plot} ({time.perf_counter() - started:.0f} s)")
+    loads = [x for r in rows for x in r["load_average"]]
+    summary = dict(
+        rows=rows,
+        whole_schedule=schedule,
+        runs=runs,
+        load_average=f"{min(loads):.2f}-{max(loads):.2f}" if loads else "?",
+        wall_seconds=time.perf_counter() - started,
+    )
+    command = "python -m benchmarks.network " + " ".join(argv if argv is not None else sys.argv[1:])
+    paths = common.write_results(opts.out, summary, markdown(summary, command.strip()), plot)
+    print(f"wrote {', '.join(map(str, paths))} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 

@@ -73,7 +73,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
-from benchmarks import model_trees  # noqa: E402
+from benchmarks.support import common, model_trees  # noqa: E402
 
 AXIS = "w"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -149,7 +149,7 @@ class Optimizer:
 
 
 def _first_steps(names: tuple[str, ...], kinds: np.ndarray) -> dict[str, int]:
-    return {names[k]: int(np.flatnonzero(kinds == k)[0]) + 1 for k in np.unique(kinds)}
+    return {names[k]: step for k, step in common.first_step_of_each_kind(kinds).items()}
 
 
 def zero_one_optimizer() -> Optimizer:
@@ -583,11 +583,7 @@ def tables(result: dict) -> str:
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     panels = (1 if result["compile"] else 0) + len(result["steps"])
     fig, axes = plt.subplots(1, max(panels, 1), figsize=(5.5 * max(panels, 1), 4), squeeze=False)
     axes = list(axes[0])
@@ -621,17 +617,11 @@ def plot(result: dict, path: pathlib.Path) -> None:
         title = f"{res['params']:,} params, {res['leaves']} leaves"
         ax.set(ylabel="step time ratio (log)", yscale="log", title=title)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = common.argument_parser("benchmarks.overhead", __doc__)
     p.add_argument("--quick", action="store_true", help="1M params, 100 leaves, 3 rounds")
     p.add_argument("--params", type=float, default=None, help="per worker (default 4e6)")
     p.add_argument("--leaves", type=int, nargs="+", default=None, help="default 100 10")
@@ -703,13 +693,10 @@ def main(argv: list[str] | None = None) -> dict:
     result["wall_s"] = round(time.perf_counter() - started, 1)
     text = tables(result)
     print("\n" + text)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
-    png, md = out_path.with_suffix(".png"), out_path.with_suffix(".md")
-    plot(result, png)
     head = f"`{result['command']}` on {result['device']}, {result['wall_s']:.0f} s."
-    md.write_text(f"# Optimizer overhead\n\n{head}\n\n{text}\n")
-    print(f"\nwrote {out_path}, {png}, {md} ({result['wall_s']:.0f} s)")
+    report = f"# Optimizer overhead\n\n{head}\n\n{text}\n"
+    paths = common.write_results(out_path, result, report, plot)
+    print(f"\nwrote {', '.join(map(str, paths))} ({result['wall_s']:.0f} s)")
     return result
 
 

@@ -13,86 +13,39 @@
   shared N(0, 1) signal plus its own N(0, 1) noise, i.e. a gradient with SNR 1) and
   ``mixed scales`` (the same, times a per-worker magnitude log-uniform in 10^[-1, 1]).
 
-Prints a markdown table and saves ``results/psum_report.json`` and ``results/psum_report.md``.
+Prints a markdown table and saves ``results/psum_report.json``, ``.md`` and ``.png`` (bytes per
+call against N; cosine to the true mean against N).
 """
 
 import os
 
-_MAX_DEVICES = 128  # the largest N of the default --workers; set before JAX starts
-os.environ.setdefault("PJRT_NPROC", str(2 * _MAX_DEVICES))  # the deadlock guard (JAX_NOTES.md)
+os.environ.setdefault("PJRT_NPROC", "256")  # >= 2x the largest default N, before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", _MAX_DEVICES)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
-import pathlib  # noqa: E402
 import time  # noqa: E402
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
+from benchmarks.support import common, model_trees  # noqa: E402
 from optax_zero_one import psum_mean  # noqa: E402
 
-AXIS = "w"
+AXIS = common.AXIS
 BACKENDS = ("psum", "two_phase")
 
 
-def transformer_like_tree(numel: int) -> list[jax.ShapeDtypeStruct]:
-    """Square float32 matrices, a bias each, ~20 leaves per million elements."""
-    pairs = max(2, round(20 * numel / 1e6)) // 2
-    width = max(8, int(math.sqrt(numel / pairs)))
-    return [
-        jax.ShapeDtypeStruct(s, jnp.float32) for _ in range(pairs) for s in [(width,) * 2, (width,)]
-    ]
-
-
-def worker_specs(tree, mesh):
-    sharding = NamedSharding(mesh, P(AXIS))
-    n = mesh.devices.size
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding), tree
-    )
-
-
-def per_worker(fn, mesh):
-    def body(*args):
-        out = fn(*jax.tree.map(lambda x: x[0], args))
-        return jax.tree.map(lambda x: x[None], out)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-
-
-def measure_bytes(tree, n: int) -> dict:
-    mesh = jax.make_mesh(
-        (n,), (AXIS,), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
-    )
+def measure_bytes(tree: list, n: int) -> dict:
+    """Bytes each worker sends per call and the collectives, per backend and for a pmean."""
     row = {}
-    for backend in BACKENDS:
-        tx = ozo.onebit_mean(AXIS, num_workers=n, collective=backend)
-        state = jax.eval_shape(tx.init, tree)
-        stats = ozo.comm_stats(
-            per_worker(lambda t, s, tx=tx: tx.update(t, s), mesh),
-            worker_specs(tree, mesh),
-            worker_specs(state, mesh),
-        )
-        row[backend] = {
+    for name, collective in (*((b, b) for b in BACKENDS), ("pmean", None)):
+        stats = common.mean_comm_stats(tree, n, collective)
+        row[name] = {
             "sent_bytes": stats.sent_bytes_per_device,
             "collectives": [f"{c.kind} {','.join(c.dtypes)}" for c in stats.collectives],
         }
-    pmean = ozo.comm_stats(
-        per_worker(lambda t: jax.lax.pmean(t, AXIS), mesh), worker_specs(tree, mesh)
-    )
-    row["pmean"] = {
-        "sent_bytes": pmean.sent_bytes_per_device,
-        "collectives": [f"{c.kind} {','.join(c.dtypes)}" for c in pmean.collectives],
-    }
     return row
 
 
@@ -158,16 +111,38 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path) -> None:
+    """Bytes per call against N (log), and one call's cosine to the true mean against N."""
+    plt = common.pyplot()
+    rows = result["rows"]
+    workers = [r["workers"] for r in rows]
+    fig, (sent, cosine) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in (*BACKENDS, "pmean"):
+        sent.plot(workers, [r["bytes"][name]["sent_bytes"] for r in rows], "o-", label=name)
+    sent.set(yscale="log", ylabel="bytes per worker per call")
+    for kind in result["input_kinds"]:
+        for backend in BACKENDS:
+            values = [r["accuracy"][kind][backend]["cosine"] for r in rows]
+            cosine.plot(workers, values, "o-", label=f"{backend}, {kind}")
+    cosine.set(ylabel="cosine to the true mean (one call)")
+    for ax in (sent, cosine):
+        common.workers_axis(ax, workers)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    head = f"compressed mean backends, {rows[0]['numel']:,} float32 in {rows[0]['leaves']} leaves"
+    fig.suptitle(head)
+    common.save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.argument_parser("benchmarks.psum_report", __doc__)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 16, 64, 128])
     parser.add_argument("--numel", type=float, default=1e6, help="elements of the bytes tree")
     parser.add_argument("--accuracy-numel", type=int, default=65_536)
-    parser.add_argument("--out", default="results/psum_report.json")
+    parser.add_argument("--out", default="results/psum_report.json", help=".md, .png beside it")
     args = parser.parse_args(argv)
-    if max(args.workers) > jax.device_count():
-        raise SystemExit(f"at most {jax.device_count()} workers (set _MAX_DEVICES)")
-    tree = transformer_like_tree(int(args.numel))
+    common.setup_cpu_devices(max(args.workers))
+    tree = model_trees.transformer_like_tree(int(args.numel))
     numel = sum(math.prod(x.shape) for x in tree)
     kinds = ["signal+noise", "mixed scales"]
     rows = []
@@ -186,11 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     report = table(result)
     print("\n" + report)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(report + "\n")
-    print(f"saved {out} and {out.with_suffix('.md')}")
+    paths = common.write_results(args.out, result, report, plot)
+    print("saved " + ", ".join(map(str, paths)))
     return result
 
 

@@ -8,8 +8,9 @@ What differs from a usual data-parallel NNX loop:
    *local* gradients: no ``pmean`` of your own; it averages them itself (full precision on
    variance steps, 1-bit on compressed and sync steps, not at all on local steps).
 2. Every worker keeps its own copy of the model and optimizer state (during local steps the
-   copies differ): the *worker layout*, a leading worker axis sharded with ``P(AXIS)``. Inside
-   ``shard_map`` each device sees a block of size 1 and drops it.
+   copies differ): the *worker layout*, a leading worker axis sharded with ``P(AXIS)``.
+   ``ozo.on_workers`` runs one worker's function under ``jax.shard_map``: each device sees a
+   block of size 1, dropped before the function runs and restored after.
 3. To evaluate or export, take ``ozo.synchronized_params``: where all workers were at the last
    sync, the same on every worker.
 
@@ -75,16 +76,6 @@ def step_kinds(
     return np.asarray(ozo.STEP_KINDS)[ozo.step_kinds(variance, local, num_steps)]
 
 
-def on_workers(fn, mesh):
-    """``fn`` on one worker's trees, lifted to the worker layout with ``jax.shard_map``."""
-
-    def body(*args):
-        out = fn(*jax.tree.map(lambda a: a[0], args))
-        return jax.tree.map(lambda a: a[None], out)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-
-
 def bytes_per_step_kind(params, mesh, num_workers):
     """Bytes one device sends per step of each kind, read from compiled programs."""
     on_mesh = NamedSharding(mesh, P(AXIS))
@@ -92,8 +83,8 @@ def bytes_per_step_kind(params, mesh, num_workers):
         lambda p: jax.ShapeDtypeStruct((num_workers, *p.shape), p.dtype, sharding=on_mesh), params
     )
     onebit = ozo.onebit_mean(AXIS)
-    dense = on_workers(lambda g: ozo.float_mean(g, AXIS), mesh)  # = a pmean of the gradients
-    compressed = on_workers(lambda g: onebit.update(g, onebit.init(g))[0], mesh)
+    dense = ozo.on_workers(lambda g: ozo.float_mean(g, AXIS), mesh)  # = a pmean of the gradients
+    compressed = ozo.on_workers(lambda g: onebit.update(g, onebit.init(g))[0], mesh)
     dense_bytes = ozo.comm_stats(dense, grads).sent_bytes_per_device
     compressed_bytes = ozo.comm_stats(compressed, grads).sent_bytes_per_device
     return {"variance": dense_bytes, "compressed": compressed_bytes, "sync": compressed_bytes}
@@ -152,7 +143,7 @@ def main(argv=None):
         optimizer.update(model, grads)  # local grads in; the optimizer does the averaging
         return nnx.state((model, optimizer)), loss
 
-    train_step = jax.jit(on_workers(worker_step, mesh), donate_argnums=0)
+    train_step = jax.jit(ozo.on_workers(worker_step, mesh), donate_argnums=0)
 
     def synchronized_model(state):
         """Worker 0's model moved to the last sync point: what to evaluate or checkpoint."""

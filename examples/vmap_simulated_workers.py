@@ -12,7 +12,7 @@ a leading worker axis. The log shows how far the workers' parameters drift apart
 steps (``spread``) and that ``ozo.synchronized_params`` (where they were at the last sync) is
 identical on every worker (``synced spread``, float rounding only).
 
-Bytes are those a run on N devices would send, by the formulas of ``ALGORITHM.md``; they equal
+Bytes are those a run on N devices would send, by the formulas of ``docs/algorithm.md``; they equal
 what ``ozo.comm_stats`` reads from the compiled program on N devices (see
 ``examples/nnx_shard_map.py``).
 """
@@ -75,7 +75,7 @@ def step_kinds(
 
 
 def bytes_per_step_kind(params, n):
-    """Bytes one of ``n`` workers sends per step of each kind (``ALGORITHM.md``).
+    """Bytes one of ``n`` workers sends per step of each kind (``docs/algorithm.md``).
 
     Float ring all-reduce: ``2 * 4 P (n-1)/n``. 1-bit mean: every leaf padded to a multiple of
     ``n * lcm(n, 8)`` elements and cut into ``n`` chunks, each rounded up to the layout's block

@@ -14,9 +14,14 @@ for sizing the overhead benchmark. Leaf names and shapes follow the public refer
   embeddings). The 0/1 Adam paper (Lu et al., arXiv:2202.06009) pre-trains BERT-Base,
   BERT-Large and GPT-2; pass ``--models gpt2-medium`` (24 layers, d_model 1024, 355M) for the
   next GPT-2 size.
+
+Also :func:`transformer_of_size` (a GPT-2-shaped tree of a given size) and
+:func:`transformer_like_tree` (square matrices and biases, ~20 leaves per million elements).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +113,17 @@ def transformer_of_size(num_params: int) -> dict:
     rows = max((num_params - layers * per_layer - 2 * hidden) // hidden, 2)
     positions = max(rows // 8, 1)
     return gpt2(layers, hidden, vocab=rows - positions, positions=positions)
+
+
+def transformer_like_tree(numel: int) -> list[jax.ShapeDtypeStruct]:
+    """Square float32 matrices, a bias each, ~20 leaves per million elements in all.
+
+    ``[(w, w), (w,), (w, w), (w,), ...]`` with ``max(2, round(20 numel / 1e6)) // 2`` pairs and
+    ``w`` the width that makes about ``numel`` elements (at least 8).
+    """
+    pairs = max(2, round(20 * numel / 1e6)) // 2
+    width = max(8, int(math.sqrt(numel / pairs)))
+    return [_spec(*shape) for _ in range(pairs) for shape in ((width, width), (width,))]
 
 
 def numel(tree: dict) -> int:

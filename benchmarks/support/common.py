@@ -1,14 +1,17 @@
 """Shared plumbing for the benchmarks: simulated CPU devices, a data-parallel training step under
 ``jax.shard_map``, and the bytes each step kind communicates.
 
-Simulated devices on a small CPU machine need two things (``JAX_NOTES.md``): ``PJRT_NPROC`` at
-least twice the device count, set before JAX first uses its backend, and a loop that waits for
-every step (:func:`run_step` does). A benchmark module sets the environment variables at its very
-top, before anything imports JAX, and calls :func:`use_simulated_cpu_devices` in ``main``::
+Simulated devices on a small CPU machine need two things (``docs/testing.md``): ``PJRT_NPROC``
+at least twice the device count, set before JAX first uses its backend, and a loop that waits
+for every step (:func:`run_step` does). A benchmark module sets the environment variables at its
+very top, before anything imports JAX, and calls :func:`setup_cpu_devices` in ``main``::
 
     import os
     os.environ.setdefault("PJRT_NPROC", "16")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+The worker layout (a leading worker axis sharded over a 1-D mesh on :data:`AXIS`) comes from the
+library: ``ozo.worker_mesh``, ``ozo.to_workers``, ``ozo.on_workers``.
 
 Communication is measured, not estimated: for every step kind an optimizer can take, the whole
 training step is compiled with the optimizer's counters pinned (as Python ints) to a step of that
@@ -19,9 +22,12 @@ the kind each step took, the kinds being read from the run itself.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import json
 import os
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,50 +43,26 @@ import optax_zero_one as ozo
 AXIS = "w"
 
 
-def use_simulated_cpu_devices(num_devices: int) -> None:
-    """Asks for ``num_devices`` simulated CPU devices; call before JAX first uses its backend.
+def setup_cpu_devices(count: int) -> int:
+    """Asks for ``count`` simulated CPU devices; call before JAX first uses its backend.
 
-    Sets ``PJRT_NPROC`` (the deadlock guard) and ``JAX_PLATFORMS`` if unset, then
-    ``jax_num_cpu_devices``. Raises if the backend already started with fewer devices.
+    Sets ``PJRT_NPROC`` (the deadlock guard, ``2 count``) and ``JAX_PLATFORMS=cpu`` if unset,
+    then ``jax_num_cpu_devices``. If the backend already runs (e.g. under pytest, whose
+    ``conftest.py`` made 8 devices) its devices are kept.
+
+    Returns:
+      The number of devices JAX has. Raises ``RuntimeError`` if it is less than ``count``.
     """
-    os.environ.setdefault("PJRT_NPROC", str(2 * num_devices))
+    os.environ.setdefault("PJRT_NPROC", str(max(2 * count, 2)))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    with contextlib.suppress(RuntimeError):  # backend already up (e.g. under pytest): see below
-        jax.config.update("jax_num_cpu_devices", num_devices)
-    if jax.device_count() < num_devices:
+    with contextlib.suppress(RuntimeError):  # backend already up: keep its devices
+        jax.config.update("jax_num_cpu_devices", count)
+    if jax.device_count() < count:
         raise RuntimeError(
-            f"need {num_devices} devices, JAX has {jax.device_count()}: set up the simulated "
-            "devices before anything uses JAX (see benchmarks/common.py)."
+            f"need {count} devices, JAX has {jax.device_count()}: set up the simulated "
+            "devices before anything uses JAX (see benchmarks/support/common.py)."
         )
-
-
-def worker_mesh(num_workers: int) -> jax.sharding.Mesh:
-    """A 1-D mesh of ``num_workers`` devices on axis :data:`AXIS` (Auto axis type)."""
-    return jax.make_mesh(
-        (num_workers,),
-        (AXIS,),
-        devices=jax.devices()[:num_workers],
-        axis_types=(jax.sharding.AxisType.Auto,),
-    )
-
-
-def to_workers(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Places a tree whose leaves have a leading worker axis, one block per device."""
-    return jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
-
-
-def per_worker(fn: Callable[..., Any], mesh: jax.sharding.Mesh) -> Callable[..., Any]:
-    """``fn`` (one worker's view) lifted to the worker layout with ``shard_map``.
-
-    Every argument and result has a leading worker axis sharded over the mesh; each device sees
-    a block of size 1, which is dropped before ``fn`` runs and restored after.
-    """
-
-    def body(*args: Any) -> Any:
-        out = fn(*jax.tree.map(lambda x: x[0], args))
-        return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    return jax.device_count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +147,7 @@ def make_step(
         updates, state = spec.tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss, kind
 
-    return per_worker(step, mesh)
+    return ozo.on_workers(step, mesh)
 
 
 def run_step(step: Callable[..., Any], *args: Any) -> Any:
@@ -251,22 +233,6 @@ def bytes_per_step(kinds: Sequence[int], traffic: dict[int, KindTraffic]) -> np.
 # --- Compile-only accounting of one optimizer update per step kind (benchmarks.comm_volume) ---
 
 
-def setup_cpu_devices(count: int) -> int:
-    """Like :func:`use_simulated_cpu_devices`, but never raises: if the backend already exists
-    (e.g. under pytest, whose ``conftest.py`` made its own devices) nothing changes.
-
-    Returns:
-      The number of devices JAX has or will have.
-    """
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("PJRT_NPROC", str(max(2 * count, 2)))
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:  # backend already initialised: keep its devices
-        return jax.device_count()
-    return count
-
-
 def worker_specs(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """``ShapeDtypeStruct``s of one worker's ``tree`` with a leading worker axis sharded over
     ``mesh`` (the worker layout, for compiling without allocating)."""
@@ -313,7 +279,7 @@ def update_comm_stats(
     Returns:
       The :class:`optax_zero_one.CommStats` of the optimised program.
     """
-    mesh = worker_mesh(num_workers)
+    mesh = ozo.worker_mesh(AXIS, num_workers)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     state = jax.eval_shape(spec.tx.init, shapes)
 
@@ -326,6 +292,82 @@ def update_comm_stats(
 
     args = (worker_specs(shapes, mesh), worker_specs(state, mesh), worker_specs(shapes, mesh))
     if compiler_options is None:
-        return ozo.comm_stats(per_worker(update, mesh), *args)
-    lowered = jax.jit(per_worker(update, mesh)).lower(*args)
+        return ozo.comm_stats(ozo.on_workers(update, mesh), *args)
+    lowered = jax.jit(ozo.on_workers(update, mesh)).lower(*args)
     return ozo.parse_hlo(lowered.compile(compiler_options=compiler_options).as_text())
+
+
+def mean_comm_stats(tree: Any, num_workers: int, collective: str | None) -> ozo.CommStats:
+    """What one call of a mean of ``tree`` over ``num_workers`` workers sends (compile only).
+
+    ``collective``: ``"two_phase"`` or ``"psum"`` for :func:`optax_zero_one.onebit_mean` with that
+    backend (from zero error buffers), ``None`` for a float ``lax.pmean``. ``tree`` is one
+    worker's tree (``jax.ShapeDtypeStruct`` leaves); the mesh is the first ``N`` devices.
+    """
+    mesh = ozo.worker_mesh(AXIS, num_workers)
+    if collective is None:
+        return ozo.comm_stats(
+            ozo.on_workers(lambda t: jax.lax.pmean(t, AXIS), mesh), worker_specs(tree, mesh)
+        )
+    tx = ozo.onebit_mean(AXIS, num_workers=num_workers, collective=collective)
+    state = jax.eval_shape(tx.init, tree)
+    return ozo.comm_stats(
+        ozo.on_workers(tx.update, mesh), worker_specs(tree, mesh), worker_specs(state, mesh)
+    )
+
+
+def write_results(
+    path: str | os.PathLike,
+    result: Any,
+    markdown: str,
+    plot: Callable[[Any, pathlib.Path], None],
+) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """Writes a benchmark's results: ``path`` (JSON), and the ``.png`` and ``.md`` beside it.
+
+    ``plot(result, png_path)`` draws the figure; ``markdown`` is the report's text.
+
+    Returns:
+      The JSON, PNG and Markdown paths.
+    """
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png, md = out.with_suffix(".png"), out.with_suffix(".md")
+    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    plot(result, png)
+    md.write_text(markdown.rstrip("\n") + "\n")
+    return out, png, md
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only ``Agg`` backend (imported on first use)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 110) -> None:
+    """Lays out ``fig``, saves it to ``path`` and closes it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
+def workers_axis(ax: Any, workers: Sequence[int]) -> None:
+    """A log-scale x axis of worker counts, labelled at ``workers`` only."""
+    ax.set_xscale("log")
+    ax.set_xticks(list(workers), [str(n) for n in workers])
+    ax.set_xticks([], minor=True)
+    ax.set_xlabel("workers N")
+
+
+def argument_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The command line of ``python -m module``; ``--help`` prints the module's docstring (what
+    it measures and what it writes) above the options."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )

@@ -4,16 +4,18 @@ Run it on 2 processes x 2 devices through the launcher, or alone on one process 
 simulated devices (JAX's in-process collectives, no ``jax.distributed``), and compare the saved
 trajectories (``tests/test_multiprocess.py``)::
 
-    python -m benchmarks.launch --processes 2 --devices-per-process 2 -- \\
-        benchmarks.multiprocess_train --out results/mp_2x2
-    PJRT_NPROC=8 python -m benchmarks.multiprocess_train --out results/mp_1x4
+    python -m optax_zero_one.launch --processes 2 --devices-per-process 2 -- \\
+        benchmarks.jobs.multiprocess_train --out results/mp_2x2
+    python -m benchmarks.jobs.multiprocess_train --out results/mp_1x4
 
 The worker axis spans every device of every process (one worker per device); params and
 optimizer state use the worker layout (leading axis sharded ``P("w")``); each worker passes its
 local gradient. The schedule (``var_freeze_step=12, var_update_scaler=2, local_step_scaler=4,
 local_step_clipper=4``) gives variance, compressed, local and sync steps within 40 steps.
 
-Two modes, each saved as ``{mode}_p{process}.npz`` (this process's workers only):
+Two modes, each saved as ``{mode}_p{process}.npz`` (this process's workers only, read with
+``optax_zero_one.local_rows``; also ``optax_zero_one.unreplicate`` of the final params and
+state, and the error it gives for a worker of another process):
 
 - ``exact``: gradients are rounded to multiples of 2**-12 (and clipped to +-64), so that the
   float all-reduce of a variance step is exact in any summation order: the whole run must then
@@ -25,12 +27,22 @@ Two modes, each saved as ``{mode}_p{process}.npz`` (this process's workers only)
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 
-from benchmarks import distributed
+# Run alone: 4 simulated devices, 2 threads each (before JAX starts; the launcher sets both).
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
+os.environ.setdefault("PJRT_NPROC", str(2 * int(os.environ["JAX_NUM_CPU_DEVICES"])))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import optax_zero_one as ozo  # noqa: E402
 
 AXIS = "w"
 SCHEDULE = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
@@ -45,17 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--modes", default="exact,raw")
     opts = parser.parse_args(argv)
-    job = distributed.initialize_from_env(default_devices=4)
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    import optax_zero_one as ozo
-
-    mesh = distributed.worker_mesh(AXIS)
+    job = ozo.initialize_from_env()
+    mesh = ozo.worker_mesh(AXIS)
     n = mesh.devices.size
     rng = np.random.default_rng(0)
     params0 = {
@@ -88,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     local = ozo.LocalStepDoubling(SCHEDULE["local_step_scaler"], SCHEDULE["local_step_clipper"])
 
     def spmd(fn):
-        def body(*args):
-            out = fn(*jax.tree.map(lambda x: x[0], args))
-            return jax.tree.map(lambda x: x[None], out)
-
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        return jax.jit(ozo.on_workers(fn, mesh))
 
     def step(params, state, data):
         grads = jax.grad(loss)(params, data)
@@ -108,25 +107,38 @@ def main(argv: list[str] | None = None) -> int:
     for mode in opts.modes.split(","):
         if mode not in ("exact", "raw"):
             parser.error(f"unknown mode {mode!r}")
-        params = distributed.to_workers(lambda i: params0, mesh)
+        params = ozo.to_workers(lambda i: params0, mesh)
         state = init(params)
         saved: dict[str, np.ndarray] = {}
         kinds = []
         for k in range(1, opts.steps + 1):
-            data = distributed.to_workers(lambda i, k=k, e=mode == "exact": batch(k, i, e), mesh)
+            data = ozo.to_workers(lambda i, k=k, e=mode == "exact": batch(k, i, e), mesh)
             params, state, kind = step(params, state, data)
-            jax.block_until_ready((params, state))  # JAX_NOTES: pace simulated devices
-            workers, leaves = distributed.local_rows((params, state))
+            jax.block_until_ready((params, state))  # pace the simulated devices (deadlock)
+            workers, leaves = ozo.local_rows((params, state))
             for j, leaf in enumerate(leaves):
                 saved[f"step{k:03d}_leaf{j:03d}"] = leaf
-            kinds.append(distributed.local_rows(kind)[1][0])
+            kinds.append(ozo.local_rows(kind)[1][0])
         names = [
             jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path((params, state))
         ]
+        # unreplicate on arrays that span other processes: this process's first worker, and a
+        # clear error for a worker it does not hold
+        for j, leaf in enumerate(jax.tree.leaves(ozo.unreplicate((params, state)))):
+            saved[f"unreplicated_leaf{j:03d}"] = leaf
+        refusal = ""
+        other = next((i for i in range(n) if i not in workers), None)
+        if other is not None:
+            try:
+                ozo.unreplicate(params, worker=other)
+            except ValueError as err:
+                refusal = str(err)
         path = os.path.join(opts.out, f"{mode}_p{job.process_id}.npz")
         np.savez(
             path,
             workers=workers,
+            unreplicated_worker=workers[0],
+            unreplicate_refusal=np.asarray(refusal),
             kinds=np.stack(kinds, axis=1),  # (local workers, steps)
             names=np.asarray(names),
             **saved,

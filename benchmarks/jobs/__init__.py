@@ -1,0 +1,1 @@
+"""Jobs the benchmark scripts start as subprocesses (see ``benchmarks/README.md``)."""

@@ -1,0 +1,1 @@
+"""Modules the benchmark scripts share (see ``benchmarks/README.md``)."""
