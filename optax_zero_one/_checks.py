@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def is_static_number(value: Any) -> bool:
@@ -184,6 +185,21 @@ def check_mask(mask: Any, params: Any) -> None:
             values = np.asarray(m)
             if not np.all((values == 0) | (values == 1)):
                 raise ValueError(f"mask leaf {where} must contain only 0 and 1 (or booleans).")
+
+
+def transformation(
+    init_fn: Any, update_fn: Any, state_type: type, name: str
+) -> optax.GradientTransformationExtraArgs:
+    """``init_fn`` and ``update_fn`` as an Optax transform whose ``update`` first checks that it
+    was given its own state (``state_type``), naming the transform (``name``) if not."""
+
+    def checked_update(
+        updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
+    ) -> tuple[optax.Updates, Any]:
+        check_state_type(state, state_type, name)
+        return update_fn(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, checked_update)
 
 
 def check_state_type(state: Any, expected: type, optimizer: str) -> None:

@@ -272,14 +272,8 @@ def onebit_mean(
         state = init_errors(layout_of(params, workers), collective)
         return _graph.worker_state(state, axis_name)
 
-    def update_fn(
-        updates: optax.Updates,
-        state: OnebitMeanState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, OnebitMeanState]:
+    def update_fn(updates: Any, state: OnebitMeanState, params: Any, **extra_args: Any) -> Any:
         del params, extra_args
-        _checks.check_state_type(state, OnebitMeanState, "onebit_mean")
         workers = _checks.axis_size(axis_name)
         if num_workers is not None:
             _checks.resolve_num_workers(axis_name, num_workers)
@@ -296,4 +290,4 @@ def onebit_mean(
             return mean, state
         return mean.to_tree(jax.tree.map(jnp.result_type, updates)), state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _checks.transformation(init_fn, update_fn, OnebitMeanState, "onebit_mean")

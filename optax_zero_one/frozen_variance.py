@@ -99,12 +99,8 @@ def scale_by_frozen_variance_adam(
         )
 
     def update_fn(
-        updates: optax.Updates,
-        state: FrozenVarianceAdamState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, FrozenVarianceAdamState]:
-        _checks.check_state_type(state, FrozenVarianceAdamState, "scale_by_frozen_variance_adam")
+        updates: Any, state: FrozenVarianceAdamState, params: Any, **extra_args: Any
+    ) -> Any:
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
         k = state.count + 1
         frozen = k > policy.freeze_step
@@ -161,4 +157,6 @@ def scale_by_frozen_variance_adam(
         )
         return direction, _graph.restore_scalars(ok, advanced, state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _checks.transformation(
+        init_fn, update_fn, FrozenVarianceAdamState, "scale_by_frozen_variance_adam"
+    )

@@ -298,13 +298,7 @@ def local_step_sync(
         )
         return _graph.worker_state(state, axis_name)
 
-    def update_fn(
-        updates: optax.Updates,
-        state: LocalStepSyncState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, LocalStepSyncState]:
-        _checks.check_state_type(state, LocalStepSyncState, "local_step_sync")
+    def update_fn(updates: Any, state: LocalStepSyncState, params: Any, **extra_args: Any) -> Any:
         params = _checked_params(updates, state, params)
         _checks.axis_size(axis_name)
         if num_workers is not None:
@@ -367,7 +361,7 @@ def local_step_sync(
             mean = mean.to_tree(jax.tree.map(jnp.result_type, payload))
         return mean, errors, ok
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _checks.transformation(init_fn, update_fn, LocalStepSyncState, "local_step_sync")
 
 
 def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any:

@@ -127,10 +127,8 @@ def onebit_adam(
       b1, b2, eps: Adam's constants (no bias correction).
       weight_decay: decoupled weight decay, scaled by the learning rate.
       freeze_step: ``T``, the number of full-precision warm-up steps.
-      axis_name: the worker axis, or ``None`` for one worker.
-      num_workers: needed only if ``init`` runs outside the mapped context.
-      mask: optional pytree of 0/1 like the params; multiplies the compressed momentum.
-      collective: ``"two_phase"`` or ``"psum"``, the backend of the compressed mean.
+      axis_name, num_workers, mask, collective: as in :func:`scale_by_onebit_adam` (the
+        worker axis; its size if ``init`` runs outside it; a 0/1 mask; the backend).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.

@@ -69,8 +69,30 @@ def _minimum(a: Any, b: int) -> Any:
     return a - (a > b) * (a - b)
 
 
+class _IntervalDoubling:
+    """What the two doubling policies share: the state starts at interval 1; a step is due when
+    it is a multiple of the interval; counted steps double the interval every ``limit``."""
+
+    def init(self) -> IntervalState:
+        """Interval 1, counter 0."""
+        return IntervalState(1, 0)
+
+    @staticmethod
+    def _due(state: IntervalState, step: Any) -> Any:
+        return step % state.interval == 0
+
+    @staticmethod
+    def _counted(state: IntervalState, count: Any, limit: int, clip: int | None) -> IntervalState:
+        counter = state.counter + count
+        full = counter >= limit
+        interval = state.interval * (1 + full)
+        if clip is not None:
+            interval = _minimum(interval, clip)
+        return IntervalState(interval, counter * (1 - full))
+
+
 @dataclasses.dataclass(frozen=True)
-class VarianceDoubling:
+class VarianceDoubling(_IntervalDoubling):
     """0/1 Adam's variance policy: variance steps at doubling gaps until the freeze.
 
     Step ``k`` is a variance step if ``k % interval == 0``. Each variance step adds one to a
@@ -97,23 +119,17 @@ class VarianceDoubling:
         _checks.check_int("var_freeze_step", self.freeze_step, 0)
         _checks.check_int("var_update_scaler", self.update_scaler, 1)
 
-    def init(self) -> IntervalState:
-        """Interval 1, counter 0."""
-        return IntervalState(1, 0)
-
     def is_update_step(self, state: IntervalState, step: Any) -> Any:
         """Whether step ``k`` (``<= freeze_step``) updates the variance."""
-        return step % state.interval == 0
+        return self._due(state, step)
 
     def next(self, state: IntervalState, step: Any) -> IntervalState:
         """State after step ``k``: count variance steps, double the interval every ``kappa``."""
-        counter = state.counter + self.is_update_step(state, step)
-        full = counter >= self.update_scaler
-        return IntervalState(state.interval * (1 + full), counter * (1 - full))
+        return self._counted(state, self._due(state, step), self.update_scaler, None)
 
 
 @dataclasses.dataclass(frozen=True)
-class LocalStepDoubling:
+class LocalStepDoubling(_IntervalDoubling):
     """0/1 Adam's local-step policy: sync intervals doubling up to a clip.
 
     In phase B, step ``k`` is a sync step if ``k % interval == 0`` (the absolute step, so after
@@ -140,21 +156,14 @@ class LocalStepDoubling:
         _checks.check_int("local_step_scaler", self.scaler, 1)
         _checks.check_int("local_step_clipper", self.clipper, 1)
 
-    def init(self) -> IntervalState:
-        """Interval 1, counter 0."""
-        return IntervalState(1, 0)
-
     def is_sync_step(self, state: IntervalState, step: Any) -> Any:
         """Whether step ``k`` (in phase B) ends a local interval with a sync."""
-        return step % state.interval == 0
+        return self._due(state, step)
 
     def next(self, state: IntervalState, step: Any) -> IntervalState:
         """State after phase-B step ``k``: count it; every ``alpha`` steps double the interval."""
         del step
-        counter = state.counter + 1
-        full = counter >= self.scaler
-        interval = _minimum(state.interval * (1 + full), self.clipper)
-        return IntervalState(interval, counter * (1 - full))
+        return self._counted(state, 1, self.scaler, self.clipper)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,14 +97,8 @@ def scheduled_mean(
         )
         return _graph.worker_state(state, axis_name)
 
-    def update_fn(
-        updates: optax.Updates,
-        state: ScheduledMeanState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, ScheduledMeanState]:
+    def update_fn(updates: Any, state: ScheduledMeanState, params: Any, **extra_args: Any) -> Any:
         del params, extra_args
-        _checks.check_state_type(state, ScheduledMeanState, "scheduled_mean")
         _checks.axis_size(axis_name)
         k = state.count + 1
         phase_a = k <= freeze
@@ -146,4 +140,4 @@ def scheduled_mean(
     def _layout(tree: Any) -> flat.Layout:
         return flat.Layout.of(tree, _checks.axis_size(axis_name))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _checks.transformation(init_fn, update_fn, ScheduledMeanState, "scheduled_mean")

@@ -78,13 +78,7 @@ def flatten(
         state = FlattenState(leaf_offsets(layout), inner.init(to_flat(params, layout)))
         return _graph.worker_state(state, axis_name)
 
-    def update_fn(
-        updates: optax.Updates,
-        state: FlattenState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, FlattenState]:
-        _checks.check_state_type(state, FlattenState, "this optimizer")
+    def update_fn(updates: Any, state: FlattenState, params: Any, **extra_args: Any) -> Any:
         workers = _checks.axis_size(axis_name)
         if num_workers is not None:
             _checks.resolve_num_workers(axis_name, num_workers)
@@ -113,7 +107,7 @@ def flatten(
         out = from_flat(flat_updates, state.offsets, dtypes)
         return out, FlattenState(state.offsets, inner_state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _checks.transformation(init_fn, update_fn, FlattenState, "this optimizer")
 
 
 class SkipNotFiniteState(NamedTuple):
@@ -156,13 +150,7 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
     def init_fn(params: optax.Params) -> SkipNotFiniteState:
         return SkipNotFiniteState(jnp.zeros([], jnp.int32), inner.init(params))
 
-    def update_fn(
-        updates: optax.Updates,
-        state: SkipNotFiniteState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, SkipNotFiniteState]:
-        _checks.check_state_type(state, SkipNotFiniteState, "skip_not_finite")
+    def update_fn(updates: Any, state: SkipNotFiniteState, params: Any, **extra_args: Any) -> Any:
         step, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         finite = _graph.all_finite(step)
         kept = SkipNotFiniteState(state.skipped_updates, inner_state)
@@ -171,4 +159,4 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
         step = jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step)
         return step, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _checks.transformation(init_fn, update_fn, SkipNotFiniteState, "skip_not_finite")

@@ -31,12 +31,13 @@ from optax_zero_one.wrappers import flatten
 
 def scale_by_zero_one_adam(
     learning_rate: optax.ScalarOrSchedule,
+    *,
+    variance_policy: policies.VariancePolicy | None = None,
+    local_step_policy: policies.LocalStepPolicy | None = None,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    variance_policy: policies.VariancePolicy | None = None,
-    local_step_policy: policies.LocalStepPolicy | None = None,
     axis_name: str | None = None,
     num_workers: int | None = None,
     mask: Any = None,
@@ -62,14 +63,14 @@ def scale_by_zero_one_adam(
     The learning rate is part of the composition (not chained after it) because the sync
     replaces the interval's learning-rate-scaled updates and needs their sum.
 
-    Args:
+    Args (all but ``learning_rate`` by keyword):
       learning_rate: a float or an ``optax.Schedule`` of the update count.
-      b1, b2, eps: Adam's constants.
-      weight_decay: decoupled weight decay, scaled by the learning rate.
       variance_policy: decides variance steps and the freeze (default
         :class:`~optax_zero_one.VarianceDoubling` ``(100_000, 16)``).
       local_step_policy: decides sync steps in phase B (default
         :class:`~optax_zero_one.LocalStepDoubling` ``(32_678, 16)``).
+      b1, b2, eps: Adam's constants.
+      weight_decay: decoupled weight decay, scaled by the learning rate.
       axis_name: the worker axis, or ``None`` for one worker.
       num_workers: needed only if ``init`` runs outside the mapped context.
       mask: optional pytree of 0/1 like the params; multiplies the compressed means.
@@ -141,10 +142,8 @@ def zero_one_adam(
       var_update_scaler: ``kappa``; variance steps per interval before the gap doubles.
       local_step_scaler: ``alpha``; phase-B steps per interval before the sync gap doubles.
       local_step_clipper: ``H``; the largest sync gap.
-      axis_name: the worker axis, or ``None`` for one worker.
-      num_workers: needed only if ``init`` runs outside the mapped context.
-      mask: optional pytree of 0/1 like the params; multiplies the compressed means.
-      collective: ``"two_phase"`` or ``"psum"``, the backend of the compressed mean.
+      axis_name, num_workers, mask, collective: as in :func:`scale_by_zero_one_adam` (the
+        worker axis; its size if ``init`` runs outside it; a 0/1 mask; the backend).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
