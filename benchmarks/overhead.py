@@ -93,7 +93,8 @@ ZERO_ONE, ONEBIT, ADAM, ADAM_PMEAN, TRIAD = (
     "adam+pmean",
     "triad",
 )
-TARGETS = {"local": 1.2, "compressed": 1.6, "sync": 1.6}  # x plain optax.adam
+# Live step time as a ratio to optax.adam + pmean timed in the same round (issue "Core v2").
+TARGETS = {"variance": 1.6, "compressed": 1.6, "local": 1.0, "sync": 1.6, "warmup": 1.6}
 STATE_TARGET = 20.0
 
 # Bytes per parameter each program must move, counted from the algorithm: every buffer it reads
@@ -539,13 +540,15 @@ def tables(result: dict) -> str:
             "optimizer's own arithmetic.",
             "",
             "| optimizer | kind | live ms | x adam+pmean | x adam | live GB/s | pinned ms | "
-            "x adam+pmean | x adam | pinned GB/s | B/param | triad GB/s | target x adam |",
+            "x adam+pmean | x adam | pinned GB/s | B/param | triad GB/s | "
+            "target (live x adam+pmean) |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in res["rows"]:
             lv, pn = r["live"], r["pinned"]
             target = TARGETS.get(r["kind"])
-            flag = "" if target is None else ("ok" if lv["ratio_to_adam"] <= target else "missed")
+            met = target is not None and lv["ratio_to_adam_pmean"] <= target
+            flag = "" if target is None else ("ok" if met else "missed")
             out.append(
                 f"| {r['optimizer']} | {r['kind']} | {lv['ms']:.1f} | "
                 f"{lv['ratio_to_adam_pmean']:.2f} | {lv['ratio_to_adam']:.2f} | {lv['gb_s']:.1f} | "
@@ -662,7 +665,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "traffic_legend": TRAFFIC_LEGEND,
         "traffic": {f"{o}/{k}": v[0] for (o, k), v in TRAFFIC.items()},
-        "targets_x_adam": {**TARGETS, "state_bytes_per_param": STATE_TARGET},
+        "targets_x_adam_pmean": {**TARGETS, "state_bytes_per_param": STATE_TARGET},
         "compile": [],
         "steps": [],
         "state": {},
