@@ -22,6 +22,31 @@ def test_notebook_is_stored_without_outputs():
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
+def test_install_cell_builds_requirements_for_paths_and_git_urls(monkeypatch):
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "pip_requirement" in c.source)
+    monkeypatch.delenv("OPTAX_ZERO_ONE_SOURCE", raising=False)
+    namespace: dict = {}
+    exec(cell.source, namespace)  # the package imports here, so the cell installs nothing
+    requirement = namespace["pip_requirement"]
+
+    root = NOTEBOOK.parent.parent
+    assert requirement(str(root)) == f"{root}[notebook]"
+    assert requirement("~/clone").endswith("/clone[notebook]") and "~" not in requirement("~/clone")
+    for url in ["https://example.org/o/optax_zero_one", "git+https://example.org/o/optax_zero_one"]:
+        parsed = Requirement(requirement(url))
+        assert parsed.name == "optax_zero_one" and parsed.extras == {"notebook"}
+        assert parsed.url == "git+https://example.org/o/optax_zero_one"
+    # the extra the cell asks for exists and brings what the notebook imports beyond the package
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert any(dep.startswith("matplotlib") for dep in extras["notebook"])
+
+
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     # A kernel spec for this very interpreter (the venv's), found first on JUPYTER_PATH, so that
     # neither a user-level "python3" spec nor a missing system one can change what runs.
