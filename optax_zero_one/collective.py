@@ -203,6 +203,17 @@ def apply_mask(mask: jax.Array | None, x: FlatTree) -> FlatTree:
     return x if mask is None else FlatTree(x.buffer * mask.astype(x.buffer.dtype), x.layout)
 
 
+def masked_compressed_mean(
+    values: FlatTree, errors: OnebitMeanState, axis_name: str | None, collective: str, mask: Any
+) -> tuple[FlatTree, OnebitMeanState, jax.Array]:
+    """:func:`compressed_mean` as the transforms use it: error buffers zeroed if the mean is not
+    finite (a step skipped together), then the mask applied. Returns ``(mean, errors, finite)``."""
+    mean, errors, finite = compressed_mean(values, errors, axis_name, collective)
+    errors = _graph.zero_if(jnp.logical_not(finite), errors, like=values.buffer)
+    mean = apply_mask(flat_mask(mask, values.layout, values.buffer.dtype), mean)
+    return mean, errors, finite
+
+
 def onebit_mean(
     axis_name: str | None,
     num_workers: int | None = None,
@@ -262,14 +273,11 @@ def onebit_mean(
     _checks.check_axis_name(axis_name)
     check_collective(collective)
 
-    def layout_of(tree: Any, workers: int) -> Layout:
-        return tree.layout if isinstance(tree, FlatTree) else Layout.of(tree, workers)
-
     def init_fn(params: optax.Params) -> OnebitMeanState:
         _checks.check_float_leaves(params, "onebit_mean input")
         _checks.check_mask(mask, params.shapes() if isinstance(params, FlatTree) else params)
         workers = _checks.resolve_num_workers(axis_name, num_workers)
-        state = init_errors(layout_of(params, workers), collective)
+        state = init_errors(flat.layout_of(params, workers), collective)
         return _graph.worker_state(state, axis_name)
 
     def update_fn(updates: Any, state: OnebitMeanState, params: Any, **extra_args: Any) -> Any:
@@ -281,13 +289,8 @@ def onebit_mean(
         stored = flat.find_layout(state)
         if stored is not None and not isinstance(updates, FlatTree):
             stored.check_tree(updates, "updates", "the compression state")
-        layout = layout_of(updates, workers)
-        values = updates if isinstance(updates, FlatTree) else flat.to_flat(updates, layout)
-        mean, state, finite = compressed_mean(values, state, axis_name, collective)
-        state = _graph.zero_if(jnp.logical_not(finite), state, like=values.buffer)
-        mean = apply_mask(flat_mask(mask, layout, values.buffer.dtype), mean)
-        if isinstance(updates, FlatTree):
-            return mean, state
-        return mean.to_tree(jax.tree.map(jnp.result_type, updates)), state
+        values, in_form = flat.as_flat(updates, workers)
+        mean, state, _ = masked_compressed_mean(values, state, axis_name, collective, mask)
+        return in_form(mean), state
 
     return _checks.transformation(init_fn, update_fn, OnebitMeanState, "onebit_mean")

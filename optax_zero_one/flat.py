@@ -335,6 +335,24 @@ def to_flat(tree: Any, layout: Layout, dtype: Any = None) -> FlatTree:
     return FlatTree(buffer, layout)
 
 
+def layout_of(tree: Any, num_workers: int) -> Layout:
+    """The layout of ``tree``: its own if it is a :class:`FlatTree`, else made for it."""
+    return tree.layout if isinstance(tree, FlatTree) else Layout.of(tree, num_workers)
+
+
+def as_flat(tree: Any, num_workers: int) -> tuple[FlatTree, Any]:
+    """``tree`` as a :class:`FlatTree` (itself if it is one), and the function that puts a
+    :class:`FlatTree` of the same layout back in ``tree``'s form (leaves in its dtypes).
+
+    How a transform that works on flat buffers also takes a plain tree, as when it is used on
+    its own outside :func:`~optax_zero_one.flatten`.
+    """
+    if isinstance(tree, FlatTree):
+        return tree, lambda values: values
+    dtypes = jax.tree.map(jnp.result_type, tree)
+    return to_flat(tree, Layout.of(tree, num_workers)), lambda values: values.to_tree(dtypes)
+
+
 def zeros(layout: Layout, dtype: Any = jnp.float32) -> FlatTree:
     """A zero buffer of ``layout``."""
     return FlatTree(jnp.zeros(layout.shape(), dtype), layout)

@@ -267,9 +267,6 @@ def local_step_sync(
     collective_lib.check_collective(collective)
     rule = rule or ParamsAverage()
 
-    def layout_of(tree: Any, workers: int) -> flat.Layout:
-        return tree.layout if isinstance(tree, FlatTree) else flat.Layout.of(tree, workers)
-
     def init_fn(params: optax.Params) -> LocalStepSyncState:
         _checks.check_float_leaves(params, "params")
         is_flat = isinstance(params, FlatTree)
@@ -280,7 +277,7 @@ def local_step_sync(
         own = (
             optax.EmptyState()
             if borrowed is not None
-            else collective_lib.init_errors(layout_of(params, workers), collective)
+            else collective_lib.init_errors(flat.layout_of(params, workers), collective)
         )
         state = LocalStepSyncState(
             count=jnp.zeros([], jnp.int32),
@@ -349,17 +346,11 @@ def local_step_sync(
         return _skip_unless(finite, step, new_state, state)
 
     def _compressed(payload: Any, errors: Any) -> tuple[Any, Any, jax.Array]:
-        is_flat = isinstance(payload, FlatTree)
-        workers = _checks.axis_size(axis_name)
-        values = payload if is_flat else flat.to_flat(payload, layout_of(payload, workers))
-        mean, errors, ok = collective_lib.compressed_mean(values, errors, axis_name, collective)
-        errors = _graph.zero_if(jnp.logical_not(ok), errors, like=values.buffer)
-        mean = collective_lib.apply_mask(
-            collective_lib.flat_mask(mask, values.layout, values.buffer.dtype), mean
+        values, in_form = flat.as_flat(payload, _checks.axis_size(axis_name))
+        mean, errors, ok = collective_lib.masked_compressed_mean(
+            values, errors, axis_name, collective, mask
         )
-        if not is_flat:
-            mean = mean.to_tree(jax.tree.map(jnp.result_type, payload))
-        return mean, errors, ok
+        return in_form(mean), errors, ok
 
     return _checks.transformation(init_fn, update_fn, LocalStepSyncState, "local_step_sync")
 

@@ -84,11 +84,9 @@ def scheduled_mean(
     def init_fn(params: optax.Params) -> ScheduledMeanState:
         _checks.check_float_leaves(params, "params")
         workers = _checks.resolve_num_workers(axis_name, num_workers)
-        is_flat = isinstance(params, FlatTree)
-        layout = params.layout if is_flat else flat.Layout.of(params, workers)
-        _checks.check_mask(mask, params.shapes() if is_flat else params)
+        _checks.check_mask(mask, params.shapes() if isinstance(params, FlatTree) else params)
         errors = (
-            collective_lib.init_errors(layout, collective)
+            collective_lib.init_errors(flat.layout_of(params, workers), collective)
             if compressed_steps
             else optax.EmptyState()
         )
@@ -122,22 +120,13 @@ def scheduled_mean(
         return updates, new_state
 
     def _compressed(updates: Any, errors: Any, active: Any) -> tuple[Any, Any]:
-        is_flat = isinstance(updates, FlatTree)
-        values = updates if is_flat else flat.to_flat(updates, _layout(updates))
+        values, in_form = flat.as_flat(updates, _checks.axis_size(axis_name))
 
         def step(carry: Any) -> Any:
-            x, e = carry
-            mean, e, finite = collective_lib.compressed_mean(x, e, axis_name, collective)
-            e = _graph.zero_if(jnp.logical_not(finite), e, like=x.buffer)
-            mask_values = collective_lib.flat_mask(mask, x.layout, x.buffer.dtype)
-            return collective_lib.apply_mask(mask_values, mean), e
+            mean, e, _ = collective_lib.masked_compressed_mean(*carry, axis_name, collective, mask)
+            return mean, e
 
         values, errors = _graph.run_if(active, step, (values, errors), like=values)
-        if is_flat:
-            return values, errors
-        return values.to_tree(jax.tree.map(jnp.result_type, updates)), errors
-
-    def _layout(tree: Any) -> flat.Layout:
-        return flat.Layout.of(tree, _checks.axis_size(axis_name))
+        return in_form(values), errors
 
     return _checks.transformation(init_fn, update_fn, ScheduledMeanState, "scheduled_mean")

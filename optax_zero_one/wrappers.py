@@ -68,13 +68,10 @@ def flatten(
     """
     _checks.check_axis_name(axis_name)
 
-    def layout_for(tree: Any, workers: int) -> Layout:
-        return Layout.of(tree, workers)
-
     def init_fn(params: optax.Params) -> FlattenState:
         _checks.check_float_leaves(params, "params")
         workers = _checks.resolve_num_workers(axis_name, num_workers)
-        layout = layout_for(params, workers)
+        layout = Layout.of(params, workers)
         state = FlattenState(leaf_offsets(layout), inner.init(to_flat(params, layout)))
         return _graph.worker_state(state, axis_name)
 
@@ -87,7 +84,7 @@ def flatten(
             stored.check_tree(updates, "updates", "the optimizer state")
             if params is not None:
                 stored.check_tree(params, "params", "the optimizer state")
-        layout = layout_for(updates, workers)
+        layout = Layout.of(updates, workers)
         if stored is not None:
             layout.check(stored, "The optimizer state")
         _checks.check_float_leaves(updates, "updates")
