@@ -128,6 +128,24 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.stack(sums).all() if sums else jnp.ones([], bool)
 
 
+def check_finite_if(pred: Any, tree: Any, finite: Any = True) -> tuple[Any, Any]:
+    """``(tree, all_finite(tree))`` where ``pred`` holds, else ``(tree, finite)``: the check (one
+    reduction over ``tree``) runs only on the steps that need it."""
+
+    def check(carry: Any) -> Any:
+        return carry[0], all_finite(carry[0])
+
+    return run_if(pred, check, (tree, finite), like=tree)
+
+
+def keep_if_finite(finite: Any, step: Any, new_state: Any, skipped_state: Any) -> tuple[Any, Any]:
+    """A step's ``(update, state)``, or, where ``finite`` is false, a zero update and the state
+    with every scalar taken from ``skipped_state`` (:func:`restore_scalars`; the buffers were
+    kept by the transforms that own them)."""
+    step = jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step)
+    return step, restore_scalars(finite, new_state, skipped_state)
+
+
 def restore_scalars(ok: Any, new: Any, old: Any) -> Any:
     """``new`` with every scalar leaf (counters, flags) taken from ``old`` where ``ok`` is false.
 

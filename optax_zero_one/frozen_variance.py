@@ -112,11 +112,8 @@ def scale_by_frozen_variance_adam(
         # Before the freeze the input is a mean over the workers: if it is not finite, every
         # worker keeps its state (the check comes first, so the writes below can keep it).
         # After it, with a momentum_mean, the input is this worker's own: dropped if not finite.
-        def check(carry: Any) -> Any:
-            return carry[0], _graph.all_finite(carry[0])
-
         checked = _graph.negate(frozen) if momentum_mean is None else True
-        grads, ok = _graph.run_if(checked, check, (grads, jnp.ones([], bool)), like=grads)
+        grads, ok = _graph.check_finite_if(checked, grads, jnp.ones([], bool))
         drop = _graph.both(frozen, jnp.logical_not(ok)) if momentum_mean is not None else False
         ok = jnp.logical_or(ok, frozen) if momentum_mean is not None else ok
         if momentum_mean is not None:

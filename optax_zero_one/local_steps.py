@@ -327,9 +327,7 @@ def local_step_sync(
             sync, synchronise, carry, like=(step, x)
         )
         # Up to start_step the inner transform communicates: check what it returned.
-        step, finite = _graph.run_if(
-            _graph.negate(phase_b), _check_finite, (step, finite), like=step
-        )
+        step, finite = _graph.check_finite_if(_graph.negate(phase_b), step, finite)
         new_state = LocalStepSyncState(
             count=optax.safe_increment(state.count),
             local_step_policy=policies.advance(
@@ -343,7 +341,8 @@ def local_step_sync(
             dropped_local_grads=state.dropped_local_grads + jnp.asarray(drop, jnp.int32),
             inner_state=inner_state,
         )
-        return _skip_unless(finite, step, new_state, state)
+        skipped = state._replace(skipped_updates=state.skipped_updates + 1)
+        return _graph.keep_if_finite(finite, step, new_state, skipped)
 
     def _compressed(payload: Any, errors: Any) -> tuple[Any, Any, jax.Array]:
         values, in_form = flat.as_flat(payload, _checks.axis_size(axis_name))
@@ -405,15 +404,3 @@ def _give_back(rule: Any, inner_state: Any, start_step: Any, own: Any, errors: A
     if rule.errors(inner_state, start_step) is None:
         return inner_state, errors
     return rule.with_errors(inner_state, errors), own
-
-
-def _check_finite(carry: tuple) -> tuple:
-    return carry[0], _graph.all_finite(carry[0])
-
-
-def _skip_unless(finite: Any, step: Any, new: LocalStepSyncState, old: LocalStepSyncState) -> tuple:
-    """The update and state of a step, or, if it is not finite, a zero update and the old
-    counters (the buffers were kept by their owners) with the skip counted."""
-    skipped = old._replace(skipped_updates=old.skipped_updates + 1)
-    new = _graph.restore_scalars(finite, new, skipped)
-    return jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step), new

@@ -152,8 +152,6 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
         finite = _graph.all_finite(step)
         kept = SkipNotFiniteState(state.skipped_updates, inner_state)
         skipped = SkipNotFiniteState(state.skipped_updates + 1, state.inner_state)
-        new_state = _graph.restore_scalars(finite, kept, skipped)
-        step = jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step)
-        return step, new_state
+        return _graph.keep_if_finite(finite, step, kept, skipped)
 
     return _checks.transformation(init_fn, update_fn, SkipNotFiniteState, "skip_not_finite")
