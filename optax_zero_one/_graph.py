@@ -73,6 +73,22 @@ def worker_state(state: Any, axis_name: str | None) -> Any:
     return jax.tree.map(lambda x: vary_over(jnp.asarray(x), axes), state)
 
 
+def nodes_of(tree: Any, cls: type) -> list:
+    """The nodes of ``tree`` that are instances of ``cls`` (e.g. a transform's state in a chain)."""
+    nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls))
+    return [node for node in nodes if isinstance(node, cls)]
+
+
+def only_node(tree: Any, cls: type, where: str) -> Any:
+    """The one node of ``tree`` that is a ``cls``; ``ValueError`` naming ``where`` otherwise."""
+    found = nodes_of(tree, cls)
+    if len(found) != 1:
+        raise ValueError(
+            f"{where} needs exactly one {cls.__name__} in the state, found {len(found)}."
+        )
+    return found[0]
+
+
 def run_if(pred: Any, fn: Any, carry: Any, like: Any = ()) -> Any:
     """``fn(carry)`` where ``pred`` holds, else ``carry``, updating ``carry``'s buffers in place.
 

@@ -79,11 +79,6 @@ def onebit_step_kinds(freeze_step: int, num_steps: int) -> np.ndarray:
     return (np.arange(1, num_steps + 1) > freeze_step).astype(np.int8)
 
 
-def _find(state: Any, cls: type) -> list:
-    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls))
-    return [node for node in nodes if isinstance(node, cls)]
-
-
 def step_kind(
     state: Any,
     variance_policy: policies.VariancePolicy,
@@ -94,22 +89,14 @@ def step_kind(
     An int32 array (an index into :data:`STEP_KINDS`; for 1-bit Adam, with no local-step
     policy, into :data:`ONEBIT_STEP_KINDS`), or a Python int for a pinned state.
     """
-    scheduled = _find(state, ScheduledMeanState)
-    if len(scheduled) != 1:
-        raise ValueError(f"expected one ScheduledMeanState in the state, found {len(scheduled)}")
-    step = scheduled[0].count + 1
+    scheduled = _graph.only_node(state, ScheduledMeanState, "step_kind")
+    step = scheduled.count + 1
     if local_step_policy is None:
         after = step > variance_policy.freeze_step
         return int(after) if isinstance(after, bool) else after.astype("int32")
-    local = _find(state, LocalStepSyncState)
-    if len(local) != 1:
-        raise ValueError(f"expected one LocalStepSyncState in the state, found {len(local)}")
+    local = _graph.only_node(state, LocalStepSyncState, "step_kind")
     return kind_of(
-        step,
-        scheduled[0].variance_policy,
-        local[0].local_step_policy,
-        variance_policy,
-        local_step_policy,
+        step, scheduled.variance_policy, local.local_step_policy, variance_policy, local_step_policy
     )
 
 
@@ -143,30 +130,14 @@ def pin_step(
     if local_step_policy is not None:
         local = _ints(policies.state_before(local_step_policy, start + 1, max(step, start + 1)))
 
-    classes = ScheduledMeanState | FrozenVarianceAdamState | LocalStepSyncState
-
-    def pin(tree: Any) -> Any:
-        return jax.tree.map(pin_node, tree, is_leaf=lambda x: isinstance(x, classes))
-
-    def pin_node(node: Any) -> Any:
-        if isinstance(node, ScheduledMeanState):
-            return node._replace(count=step - 1, variance_policy=variance)
-        if isinstance(node, FrozenVarianceAdamState):
-            return node._replace(
-                count=step - 1, variance_policy=variance, momentum_mean=pin(node.momentum_mean)
-            )
-        if isinstance(node, LocalStepSyncState) and local is not None:
-            return node._replace(
-                count=step - 1,
-                local_step_policy=local,
-                anchored=step - 1 > start,
-                inner_state=pin(node.inner_state),
-            )
+    def pin(node: Any) -> Any:
         if isinstance(node, LocalStepSyncState):
-            return node._replace(inner_state=pin(node.inner_state))
-        return node
+            if local is None:
+                return node
+            return node._replace(count=step - 1, local_step_policy=local, anchored=step - 1 > start)
+        return node._replace(count=step - 1, variance_policy=variance)
 
-    return pin(state)
+    return _map_counted(state, pin)
 
 
 def _ints(tree: Any) -> Any:
@@ -197,17 +168,7 @@ def share_counters(state: Any, axis_name: str | None) -> Any:
             lambda x: x if _graph.all_static(x) else jax.lax.pmax(x, axis_name), tree
         )
 
-    classes = ScheduledMeanState | FrozenVarianceAdamState | LocalStepSyncState
-
     def share(node: Any) -> Any:
-        if isinstance(node, ScheduledMeanState):
-            return node._replace(count=one(node.count), variance_policy=one(node.variance_policy))
-        if isinstance(node, FrozenVarianceAdamState):
-            return node._replace(
-                count=one(node.count),
-                variance_policy=one(node.variance_policy),
-                momentum_mean=walk(node.momentum_mean),
-            )
         if isinstance(node, LocalStepSyncState):
             return node._replace(
                 count=one(node.count),
@@ -215,11 +176,30 @@ def share_counters(state: Any, axis_name: str | None) -> Any:
                 anchored=node.anchored
                 if _graph.all_static(node.anchored)
                 else one(node.anchored.astype(jnp.int32)).astype(bool),
-                inner_state=walk(node.inner_state),
             )
-        return node
+        return node._replace(count=one(node.count), variance_policy=one(node.variance_policy))
+
+    return _map_counted(state, share)
+
+
+_COUNTED = ScheduledMeanState | FrozenVarianceAdamState | LocalStepSyncState
+
+
+def _map_counted(state: Any, fn: Any) -> Any:
+    """``fn`` applied to every state in ``state`` whose counters decide the step kind
+    (:class:`ScheduledMeanState`, :class:`FrozenVarianceAdamState`, :class:`LocalStepSyncState`),
+    including those nested in a ``momentum_mean`` or an ``inner_state``."""
+
+    def node_fn(node: Any) -> Any:
+        if not isinstance(node, _COUNTED):
+            return node
+        if isinstance(node, FrozenVarianceAdamState):
+            node = node._replace(momentum_mean=walk(node.momentum_mean))
+        if isinstance(node, LocalStepSyncState):
+            node = node._replace(inner_state=walk(node.inner_state))
+        return fn(node)
 
     def walk(tree: Any) -> Any:
-        return jax.tree.map(share, tree, is_leaf=lambda x: isinstance(x, classes))
+        return jax.tree.map(node_fn, tree, is_leaf=lambda x: isinstance(x, _COUNTED))
 
     return walk(state)

@@ -96,20 +96,6 @@ class ParamsAverage:
         return inner_state
 
 
-def _only(tree: Any, cls: type, where: str) -> Any:
-    found = [
-        node
-        for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls))
-        if isinstance(node, cls)
-    ]
-    if len(found) != 1:
-        raise ValueError(
-            f"{where} needs exactly one {cls.__name__} in the inner transform's state, found "
-            f"{len(found)}."
-        )
-    return found[0]
-
-
 def _replace(tree: Any, cls: type, fn: Any) -> Any:
     return jax.tree.map(
         lambda node: fn(node) if isinstance(node, cls) else node,
@@ -145,7 +131,7 @@ class MomentumAverage(ParamsAverage):
         return _checks.evaluate(self.learning_rate, count)
 
     def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
-        old = _only(inner_state, optax.TraceState, "MomentumAverage").trace
+        old = _graph.only_node(inner_state, optax.TraceState, "MomentumAverage").trace
         momentum = _keep(ok, _divide_by_sum(mean, lr_sum), old)
         return _replace(inner_state, optax.TraceState, lambda s: s._replace(trace=momentum))
 
@@ -177,16 +163,16 @@ class FrozenAdamSync(ParamsAverage):
         return _checks.evaluate(self.learning_rate, count)
 
     def weight(self, inner_state: Any) -> Any:
-        nu = _only(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").nu
+        nu = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").nu
         return jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, nu)
 
     def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
-        old = _only(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").mu
+        old = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").mu
         momentum = _keep(ok, _divide_by_sum(mean, lr_sum), old)
         return _replace(inner_state, FrozenVarianceAdamState, lambda s: s._replace(mu=momentum))
 
     def errors(self, inner_state: Any, start_step: int) -> Any:
-        found = _only(inner_state, ScheduledMeanState, "FrozenAdamSync")
+        found = _graph.only_node(inner_state, ScheduledMeanState, "FrozenAdamSync")
         if not isinstance(found.errors, collective_lib.OnebitMeanState):
             return None
         freeze = getattr(self.variance_policy, "freeze_step", None)
