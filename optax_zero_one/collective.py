@@ -49,6 +49,11 @@ def check_collective(collective: str) -> None:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}.")
 
 
+def _server_width(layout: Layout, collective: str) -> int:
+    """Entries of the server error: the buffer width, or none for the psum backend."""
+    return 0 if collective == "psum" else layout.width
+
+
 def init_errors(
     layout: Layout, collective: str = "two_phase", dtype: Any = jnp.float32
 ) -> OnebitMeanState:
@@ -58,7 +63,7 @@ def init_errors(
         return OnebitMeanState(jnp.zeros((0,), dtype), jnp.zeros((0,), dtype))
     if collective == "psum":
         psum_mean.check_num_workers(layout.num_workers)
-    server = 0 if collective == "psum" else layout.width
+    server = _server_width(layout, collective)
     return OnebitMeanState(flat.zeros(layout, dtype), jnp.zeros((server,), dtype))
 
 
@@ -69,7 +74,7 @@ def _check_errors(layout: Layout, errors: OnebitMeanState, collective: str) -> N
     if layout.num_workers == 1:
         fits = stored is None and np.size(errors.worker_error) == 0
     else:
-        server = 0 if collective == "psum" else layout.width
+        server = _server_width(layout, collective)
         fits = stored is not None and np.shape(errors.server_error) == (server,)
     if not fits:
         raise ValueError(
@@ -102,12 +107,13 @@ def compressed_mean(
     """
     check_collective(collective)
     layout = x.layout
+    workers = _checks.axis_size(axis_name)
     if collective == "psum":
-        psum_mean.check_num_workers(_checks.axis_size(axis_name))
-    if layout.num_workers != _checks.axis_size(axis_name):
+        psum_mean.check_num_workers(workers)
+    if layout.num_workers != workers:
         raise ValueError(
             f"The values are laid out for {layout.num_workers} workers, but axis "
-            f"{axis_name!r} has {_checks.axis_size(axis_name)}."
+            f"{axis_name!r} has {workers}."
         )
     _check_errors(layout, errors, collective)
     if layout.num_workers == 1:
