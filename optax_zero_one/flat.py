@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_zero_one import _checks
+from optax_zero_one import _checks, _graph
 
 _MAX_BLOCKS = 1 << 20  # block tables of at most 4 MiB (int32) per layout
 
@@ -378,7 +378,5 @@ def from_flat(flat: FlatTree, offsets: Any, dtypes: Any) -> Any:
 
 def find_layout(tree: Any) -> Layout | None:
     """The layout of the first :class:`FlatTree` in ``tree`` (``None`` if it holds none)."""
-    for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, FlatTree)):
-        if isinstance(node, FlatTree):
-            return node.layout
-    return None
+    found = _graph.nodes_of(tree, FlatTree)
+    return found[0].layout if found else None

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_zero_one import _graph
 from optax_zero_one.distributed import _addressable_rows
 from optax_zero_one.flat import FlatTree
 from optax_zero_one.local_steps import LocalStepSyncState
@@ -95,11 +96,7 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
     Returns:
       A tree like ``params`` (their dtypes).
     """
-    found = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, LocalStepSyncState))
-        if isinstance(s, LocalStepSyncState)
-    ]
+    found = _graph.nodes_of(opt_state, LocalStepSyncState)
     if not found:
         return params
     if len(found) > 1:
