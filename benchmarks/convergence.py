@@ -10,7 +10,9 @@ steps, then cosine decay to 10% of the peak) and one set of Adam constants:
 - ``adamw``: ``optax.adamw``, gradients averaged by a float32 ``pmean`` (what users run today);
 - ``onebit_adam``: :func:`optax_zero_one.onebit_adam`, local gradients;
 - ``zero_one_adam``: :func:`optax_zero_one.scale_by_zero_one_adam` with the doubling policies.
-- ``zero_one_adam_psum`` (only with ``--optimizers``): the same with ``collective="psum"``.
+- ``zero_one_adam_psum`` (only with ``--optimizers``): the same with ``collective="psum"``;
+- ``onebit_grad_adam`` and ``local_adam`` (only with ``--optimizers``): the naive compositions
+  (Adam on the 1-bit compressed gradient; local Adam with 1-bit model averaging), see ``EXTRA``.
 
 The papers' policies, scaled to the run length ``T``. DeepSpeed's BERT pre-training configs use
 ``var_freeze_step = freeze_step = 23,000`` (about 15% of a ~150k-step run),
@@ -62,7 +64,12 @@ from benchmarks.support import common, workloads  # noqa: E402
 
 NUM_WORKERS = 8
 OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam")  # the default run
-EXTRA = ("zero_one_adam_psum",)  # on request: 0/1 Adam with the psum backend (--optimizers)
+# On request (--optimizers): 0/1 Adam with the psum backend, and the two naive compositions the
+# 0/1 Adam paper argues against (Adam is not linear, so compressing its input, or taking local
+# steps of it, hurts): Adam on the 1-bit compressed gradient from step 1 (no warm-up, no frozen
+# variance), and local Adam (full-precision Adam up to the freeze step, then local steps with 1-bit
+# model averaging on 0/1 Adam's sync schedule; each worker keeps its own moments).
+EXTRA = ("zero_one_adam_psum", "onebit_grad_adam", "local_adam")
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 
 
@@ -151,6 +158,24 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
             **adam,
         )
         return common.zero_one_spec(name, tx, variance, local)
+    if name == "onebit_grad_adam":
+        inner = optax.chain(
+            ozo.onebit_mean(common.AXIS, mask=mask),
+            optax.adamw(lr, weight_decay=cfg.weight_decay, **adam),
+        )
+        return common.OptimizerSpec(
+            name, ozo.flatten(inner, common.AXIS), False, ("compressed",), lambda state: 0
+        )
+    if name == "local_adam":
+        warmup = ozo.FullPrecisionWarmup(variance.freeze_step)
+        inner = optax.chain(
+            ozo.scheduled_mean(common.AXIS, warmup, compressed_steps=False),
+            optax.adamw(lr, weight_decay=cfg.weight_decay, **adam),
+        )
+        tx = ozo.local_step_sync(
+            inner, local, common.AXIS, start_step=warmup.freeze_step, mask=mask
+        )
+        return common.zero_one_spec(name, ozo.flatten(tx, common.AXIS), warmup, local)
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS + EXTRA}")
 
 
@@ -197,7 +222,7 @@ def train(
         return {k: float(v / sums["count"]) for k, v in sums.items() if k != "count"}
 
     val_steps, val_metrics = [0], [validate(params, state)]
-    losses, kinds, train_s, eval_s = [], [], 0.0, 0.0
+    losses, kinds, step_s, eval_s = [], [], [], 0.0
     bar = _progress(range(cfg.steps), name, progress)
     for i in bar:
         start = time.perf_counter()
@@ -208,7 +233,7 @@ def train(
             raise RuntimeError(f"{name}: workers took different step kinds at step {i + 1}")
         losses.append(float(np.asarray(loss).mean()))
         kinds.append(int(kind[0]))
-        train_s += time.perf_counter() - start
+        step_s.append(time.perf_counter() - start)
         if (i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps:
             start = time.perf_counter()
             val_steps.append(i + 1)
@@ -228,18 +253,29 @@ def train(
     account_s = time.perf_counter() - start
     sent = np.cumsum(common.bytes_per_step(kinds, traffic))
     counts = np.bincount(kinds, minlength=len(spec.kind_names))
+    train_s, step_s = float(np.sum(step_s)), np.asarray(step_s)
     return {
         "final_val": val_metrics[-1],
         "bytes_per_worker": float(sent[-1]),
         "rounds": int(sum(counts[k] for k, t in traffic.items() if t.launches > 0)),
         "steps_per_kind": {spec.kind_names[k]: int(c) for k, c in enumerate(counts) if c},
         "traffic_per_kind": {
-            t.name: {"bytes_per_step": t.sent_bytes, "collectives": list(t.collectives)}
+            t.name: {
+                "bytes_per_step": t.sent_bytes,
+                "launches_per_step": t.launches,
+                "collectives": list(t.collectives),
+            }
             for t in traffic.values()
         },
         "seconds": {
             "train": round(train_s, 2),
             "per_step": round(train_s / cfg.steps, 4),
+            # Median wall time of a step of each kind (host batch, step, wait), this process.
+            "per_kind": {
+                spec.kind_names[k]: round(float(np.median(step_s[np.asarray(kinds) == k])), 5)
+                for k in range(len(spec.kind_names))
+                if counts[k]
+            },
             "eval": round(eval_s, 2),
             "compile": round(compile_s, 2),
             "comm_accounting": round(account_s, 2),
@@ -410,6 +446,12 @@ def write(result: dict[str, Any], out_dir: pathlib.Path, stem: str) -> tuple[pat
 def main(argv: list[str] | None = None) -> None:
     parser = common.argument_parser("benchmarks.convergence", __doc__)
     parser.add_argument("--quick", action="store_true", help="the few-minute demo")
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="the long study, each optimizer at its best LR over 3 seeds "
+        "(python -m benchmarks.convergence_long; with --quick, its few-minute check)",
+    )
     parser.add_argument("--workload", choices=("char_lm", "digits"), default="char_lm")
     parser.add_argument("--steps", type=int, help="override the number of steps")
     parser.add_argument("--seed", type=int, default=0)
@@ -421,6 +463,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.long:
+        from benchmarks import convergence_long
+
+        convergence_long.main(["--quick"] if args.quick else [])
+        return
 
     common.setup_cpu_devices(NUM_WORKERS)
     cfg = PRESETS[(args.workload, "quick" if args.quick else "full")]

@@ -111,7 +111,11 @@ def test_end_to_end_loss_falls_and_json_has_the_documented_fields(result, tmp_pa
         traffic = run["traffic_per_kind"][kind]
         assert traffic["collectives"] == ["all-to-all[u8]", "all-gather[u8]"]
         assert one_bit <= traffic["bytes_per_step"] <= 1.6 * one_bit
-    assert zero_one["traffic_per_kind"]["local"] == {"bytes_per_step": 0.0, "collectives": []}
+    assert zero_one["traffic_per_kind"]["local"] == {
+        "bytes_per_step": 0.0,
+        "launches_per_step": 0,
+        "collectives": [],
+    }
     assert adamw["rounds"] == onebit["rounds"] == TINY.steps
     assert zero_one["rounds"] == TINY.steps - 8
     assert adamw["bytes_per_worker"] > onebit["bytes_per_worker"] > zero_one["bytes_per_worker"]

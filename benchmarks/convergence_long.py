@@ -1,0 +1,438 @@
+"""Convergence at length, fairly tuned: every optimizer at its own best learning rate, 3 seeds.
+
+Run as ``python -m benchmarks.convergence_long [--quick] [--resume]`` (or
+``python -m benchmarks.convergence --long``).
+
+The claim under test (Lu et al., 0/1 Adam, arXiv:2202.06009): 0/1 Adam reaches Adam's accuracy
+with far less traffic than 1-bit Adam (the paper: up to 87% less data, 54% fewer rounds), while
+the two naive ways of making Adam communicate less converge more slowly, because Adam is not
+linear in its gradients. Five optimizers train the char-level GPT of
+:mod:`benchmarks.convergence` on 8 simulated workers (its model, data, schedule shape and
+policies, scaled to each run's length as there):
+
+- ``adamw``: ``optax.adamw`` on float32 ``pmean``-averaged gradients;
+- ``onebit_adam``: 1-bit Adam (full-precision warm-up to the freeze step, then 1-bit momentum);
+- ``zero_one_adam``: 0/1 Adam with the doubling policies;
+- ``onebit_grad_adam``: AdamW on the 1-bit compressed mean gradient from step 1
+  (``optax.chain(onebit_mean(...), optax.adamw(...))``; no warm-up, no frozen variance);
+- ``local_adam``: local AdamW (full-precision AdamW up to 0/1 Adam's freeze step, then local
+  steps averaged in 1 bit on 0/1 Adam's sync schedule; each worker keeps its own moments):
+  ``local_step_sync(optax.chain(scheduled_mean(...), optax.adamw(...)), ...)``.
+
+Protocol, fixed before any run (no seed or run is picked afterwards):
+
+1. Sweep: each optimizer at each peak learning rate of ``lrs`` for ``sweep_steps`` steps, seed
+   ``sweep_seed``; its best learning rate is the one with the lowest final validation loss
+   (a non-finite loss counts as worst).
+2. Long runs: each optimizer at its best learning rate for ``long_steps`` steps, once per seed
+   of ``seeds`` (a seed sets the initial parameters and the data order). Reported: the mean
+   and sample standard deviation (``ddof=1``) of the final validation loss over the seeds, the
+   bytes sent per worker and the rounds over the whole run (identical for every seed: they
+   follow from the step kinds), the wall time per step kind and per run, and a projection of
+   the run time on a 1 and a 10 Gbit/s link: per step, the measured time of its kind (this
+   CPU, 8 simulated workers, collectives included as memory copies) plus
+   ``bytes / bandwidth + collectives x latency`` (50 us each), no overlap.
+
+Every finished run is saved at once to ``<out>/<stem>.partial.json``; ``--resume`` reads it and
+runs only what is missing (same settings). At the end it writes ``<stem>.json`` (curves
+subsampled: training loss in means over ``train_loss_block`` steps, validation loss every
+``long_eval_every`` steps), ``.png`` and ``.md``; stem ``convergence_long`` (``--quick``:
+``convergence_long_quick``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import optax_zero_one as ozo
+from benchmarks import convergence
+from benchmarks.support import common
+
+OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam", "onebit_grad_adam", "local_adam")
+LINKS = (("1 Gbit/s", 1.0), ("10 Gbit/s", 10.0))  # (name, Gbit/s) for the projection
+LATENCY_US = 50.0  # per collective launch, an assumption (Ethernet-class, as comm_volume)
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """The whole study: the sweep, then the long runs at each optimizer's best learning rate."""
+
+    base: convergence.Config = convergence.PRESETS[("char_lm", "full")]
+    sweep_steps: int = 2000
+    long_steps: int = 10_000
+    lrs: tuple[float, ...] = (1e-3, 2e-3, 4e-3)
+    sweep_seed: int = 0
+    seeds: tuple[int, ...] = (0, 1, 2)
+    sweep_eval_every: int = 500
+    long_eval_every: int = 250
+    train_loss_block: int = 100
+    optimizers: tuple[str, ...] = OPTIMIZERS
+
+    def config(self, name: str, steps: int, lr: float, seed: int, eval_every: int) -> Any:
+        return dataclasses.replace(
+            self.base,
+            steps=steps,
+            peak_lr=lr,
+            seed=seed,
+            eval_every=eval_every,
+            optimizers=(name,),
+        )
+
+
+PRESETS = {
+    "long": Study(),
+    # A few-minute check of the whole pipeline: not long enough for the claims.
+    "quick": Study(
+        sweep_steps=400,
+        long_steps=800,
+        lrs=(1e-3, 2e-3),
+        seeds=(0, 1),
+        sweep_eval_every=200,
+        long_eval_every=100,
+        train_loss_block=50,
+    ),
+}
+
+
+def _run_key(phase: str, name: str, value: float | int) -> str:
+    return f"{phase}/{name}/{value:g}"
+
+
+def _compact(run: dict[str, Any], block: int) -> dict[str, Any]:
+    """One run as the study keeps it: finals, traffic, timings and subsampled curves."""
+    losses = np.asarray(run["train_loss"], np.float64)
+    blocks = len(losses) // block
+    return {
+        "final_val_loss": run["final_val"]["loss"],
+        "bytes_per_worker": run["bytes_per_worker"],
+        "rounds": run["rounds"],
+        "steps_per_kind": run["steps_per_kind"],
+        "traffic_per_kind": run["traffic_per_kind"],
+        "seconds": run["seconds"],
+        "val": {k: run["val"][k] for k in ("step", "bytes", "loss")},
+        "train_loss_block_means": [
+            round(float(x), 5) for x in losses[: blocks * block].reshape(blocks, block).mean(1)
+        ],
+    }
+
+
+def best_lr(sweep: dict[float, float]) -> float:
+    """The learning rate with the lowest final validation loss (non-finite: worst)."""
+    return min(sweep, key=lambda lr: sweep[lr] if math.isfinite(sweep[lr]) else math.inf)
+
+
+def projected_seconds(run: dict[str, Any], gbit_s: float | None) -> float:
+    """The run's time: per step, its kind's measured time plus (with a link) the kind's
+    ``bytes / bandwidth + launches x latency``."""
+    total = 0.0
+    for kind, count in run["steps_per_kind"].items():
+        traffic = run["traffic_per_kind"][kind]
+        step = run["seconds"]["per_kind"][kind]
+        if gbit_s is not None:
+            step += traffic["bytes_per_step"] * 8 / (gbit_s * 1e9)
+            step += traffic["launches_per_step"] * LATENCY_US * 1e-6
+        total += count * step
+    return total
+
+
+def aggregate(study: Study, runs: dict[str, Any]) -> dict[str, Any]:
+    """Per optimizer: the sweep, the best learning rate and the long runs' statistics."""
+    out: dict[str, Any] = {}
+    for name in study.optimizers:
+        sweep = {lr: runs[_run_key("sweep", name, lr)]["final_val_loss"] for lr in study.lrs}
+        lr = best_lr(sweep)
+        long = [runs[_run_key("long", name, seed)] for seed in study.seeds]
+        finals = np.asarray([r["final_val_loss"] for r in long], np.float64)
+        sent = {r["bytes_per_worker"] for r in long}
+        rounds = {r["rounds"] for r in long}
+        if len(sent) != 1 or len(rounds) != 1:
+            raise RuntimeError(f"{name}: seeds sent different bytes or rounds: {sent} {rounds}")
+        kinds = sorted({k for r in long for k in r["seconds"]["per_kind"]})
+        per_kind = {k: float(np.mean([r["seconds"]["per_kind"][k] for r in long])) for k in kinds}
+        mean_run = {**long[0], "seconds": {"per_kind": per_kind}}
+        out[name] = {
+            "sweep_final_val_loss": {f"{k:g}": v for k, v in sweep.items()},
+            "best_lr": lr,
+            "seeds": list(study.seeds),
+            "steps": study.long_steps,
+            "final_val_loss_per_seed": [float(x) for x in finals],
+            "final_val_loss_mean": float(finals.mean()),
+            "final_val_loss_std": float(finals.std(ddof=1)) if len(finals) > 1 else 0.0,
+            "bytes_per_worker": sent.pop(),
+            "rounds": rounds.pop(),
+            "steps_per_kind": long[0]["steps_per_kind"],
+            "traffic_per_kind": long[0]["traffic_per_kind"],
+            "seconds_per_step_by_kind": {k: round(v, 5) for k, v in per_kind.items()},
+            "run_seconds_mean": round(float(np.mean([r["seconds"]["train"] for r in long])), 1),
+            "projected_run_seconds": {
+                "compute_only": round(projected_seconds(mean_run, None), 1),
+                **{n: round(projected_seconds(mean_run, g), 1) for n, g in LINKS},
+            },
+        }
+    return out
+
+
+def summarize(per_opt: dict[str, Any]) -> dict[str, Any]:
+    """The claims, measured: loss gaps to AdamW (% of its mean final loss) and 0/1 Adam's
+    traffic reductions against 1-bit Adam (%)."""
+    out: dict[str, Any] = {}
+    if "adamw" in per_opt:
+        base = per_opt["adamw"]["final_val_loss_mean"]
+        for name, r in per_opt.items():
+            r["gap_to_adamw_pct"] = round(100 * (r["final_val_loss_mean"] - base) / base, 3)
+            out[f"{name}_gap_to_adamw_pct"] = r["gap_to_adamw_pct"]
+    if {"zero_one_adam", "onebit_adam"} <= set(per_opt):
+        mine, theirs = per_opt["zero_one_adam"], per_opt["onebit_adam"]
+        less = 100 * (1 - mine["bytes_per_worker"] / theirs["bytes_per_worker"])
+        fewer = 100 * (1 - mine["rounds"] / theirs["rounds"])
+        out["zero_one_adam_bytes_reduction_vs_onebit_adam_pct"] = round(less, 2)
+        out["zero_one_adam_rounds_reduction_vs_onebit_adam_pct"] = round(fewer, 2)
+        gap = out.get("zero_one_adam_gap_to_adamw_pct")
+        out["claims"] = {
+            "loss_within_2pct_of_adamw": None if gap is None else bool(gap <= 2.0),
+            "bytes_reduction_at_least_80pct": bool(less >= 80.0),
+            "rounds_reduction_at_least_50pct": bool(fewer >= 50.0),
+        }
+    if "zero_one_adam" in per_opt:
+        mine = per_opt["zero_one_adam"]["final_val_loss_mean"]
+        for name in ("onebit_grad_adam", "local_adam"):
+            if name in per_opt:
+                gap = 100 * (per_opt[name]["final_val_loss_mean"] - mine) / mine
+                out[f"{name}_gap_to_zero_one_adam_pct"] = round(gap, 3)
+    return out
+
+
+class _Store:
+    """Finished runs, saved after each one so that an interrupted study can resume."""
+
+    def __init__(self, path: pathlib.Path, study: Study, resume: bool) -> None:
+        self.path, self.settings = path, _settings(study)
+        self.runs: dict[str, Any] = {}
+        if resume and path.exists():
+            saved = json.loads(path.read_text())
+            if saved["settings"] != self.settings:
+                raise SystemExit(
+                    f"{path} was written with other settings: remove it, or drop --resume"
+                )
+            self.runs = saved["runs"]
+
+    def save(self, key: str, run: dict[str, Any]) -> None:
+        self.runs[key] = run
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"settings": self.settings, "runs": self.runs}))
+
+
+def _settings(study: Study) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(study)))
+
+
+def run(
+    study: Study, out: pathlib.Path, stem: str, resume: bool = False, progress: bool = True
+) -> dict[str, Any]:
+    """Runs (or resumes) the study; returns the JSON-ready result."""
+    common.setup_cpu_devices(convergence.NUM_WORKERS)
+    mesh = ozo.worker_mesh(common.AXIS, convergence.NUM_WORKERS)
+    store = _Store(out / f"{stem}.partial.json", study, resume)
+    workloads: dict[int, Any] = {}
+    start, cpu = time.perf_counter(), time.process_time()
+
+    def train(phase: str, name: str, value: float | int, cfg: Any) -> dict[str, Any]:
+        key = _run_key(phase, name, value)
+        if key not in store.runs:
+            if cfg.seed not in workloads:
+                workloads[cfg.seed] = convergence.make_workload(cfg)
+            full = convergence.train(name, cfg, workloads[cfg.seed], mesh, progress)
+            store.save(key, _compact(full, study.train_loss_block))
+            loss = store.runs[key]["final_val_loss"]
+            print(f"{key}: final val loss {loss:.4f}", file=sys.stderr, flush=True)
+        return store.runs[key]
+
+    for name in study.optimizers:
+        for lr in study.lrs:
+            seed, every = study.sweep_seed, study.sweep_eval_every
+            train("sweep", name, lr, study.config(name, study.sweep_steps, lr, seed, every))
+    best = {
+        name: best_lr(
+            {lr: store.runs[_run_key("sweep", name, lr)]["final_val_loss"] for lr in study.lrs}
+        )
+        for name in study.optimizers
+    }
+    for seed in study.seeds:  # seeds outermost: an interrupted study has whole seeds
+        for name in study.optimizers:
+            cfg = study.config(name, study.long_steps, best[name], seed, study.long_eval_every)
+            train("long", name, seed, cfg)
+
+    per_opt = aggregate(study, store.runs)
+    variance, local = study.config("", study.long_steps, 0.0, 0, 1).policies()
+    workload = workloads.get(study.seeds[0]) or convergence.make_workload(
+        study.config("", study.long_steps, 0.0, study.seeds[0], 1)
+    )
+    return {
+        "benchmark": "convergence_long",
+        "workload": workload.description,
+        "num_workers": convergence.NUM_WORKERS,
+        "study": _settings(study),
+        "policies_long": {
+            "freeze_step": variance.freeze_step,
+            "var_update_scaler": variance.update_scaler,
+            "local_step_scaler": local.scaler,
+            "local_step_clipper": local.clipper,
+        },
+        "links": {"latency_us": LATENCY_US, "gbit_s": dict(LINKS)},
+        "optimizers": per_opt,
+        "summary": summarize(per_opt),
+        "runs": store.runs,
+        "wall_seconds_this_process": round(time.perf_counter() - start, 1),
+        "cpu_seconds_this_process": round(time.process_time() - cpu, 1),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The main table, in Markdown."""
+    lrs = [f"{lr:g}" for lr in result["study"]["lrs"]]
+    head = [
+        "optimizer",
+        *(f"sweep loss @ {lr}" for lr in lrs),
+        "best LR",
+        "final val loss (mean ± std)",
+        "gap to AdamW",
+        "MB/worker",
+        "rounds",
+    ]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in result["optimizers"].items():
+        gap = r.get("gap_to_adamw_pct")
+        cells = [
+            name,
+            *(f"{r['sweep_final_val_loss'][lr]:.4f}" for lr in lrs),
+            f"{r['best_lr']:g}",
+            f"{r['final_val_loss_mean']:.4f} ± {r['final_val_loss_std']:.4f}",
+            "-" if gap is None or name == "adamw" else f"{gap:+.2f}%",
+            f"{r['bytes_per_worker'] / 1e6:,.1f}",
+            f"{r['rounds']:,}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def time_table(result: dict[str, Any]) -> str:
+    """Seconds per step kind and per run, measured and projected, in Markdown."""
+    head = ["optimizer", "ms/step by kind", "run (s)", "compute only (s)"]
+    head += [f"projected at {n} (s)" for n, _ in LINKS]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in result["optimizers"].items():
+        kinds = ", ".join(
+            f"{k} {1e3 * v:.1f} ({r['steps_per_kind'][k]:,})"
+            for k, v in r["seconds_per_step_by_kind"].items()
+        )
+        p = r["projected_run_seconds"]
+        cells = [name, kinds, f"{r['run_seconds_mean']:,.0f}", f"{p['compute_only']:,.0f}"]
+        cells += [f"{p[n]:,.0f}" for n, _ in LINKS]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot(result: dict[str, Any], path: pathlib.Path) -> None:
+    """The sweep; validation loss against steps (mean over seeds, min-max band) and bytes."""
+    plt = common.pyplot()
+    fig, (sweep_ax, step_ax, bytes_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
+    runs, study = result["runs"], result["study"]
+    for name, r in result["optimizers"].items():
+        lrs = [float(k) for k in r["sweep_final_val_loss"]]
+        (line,) = sweep_ax.plot(lrs, list(r["sweep_final_val_loss"].values()), marker="o")
+        line.set_label(name)
+        curves = [runs[_run_key("long", name, s)]["val"] for s in study["seeds"]]
+        steps = np.asarray(curves[0]["step"])
+        loss = np.asarray([c["loss"] for c in curves], np.float64)
+        color = line.get_color()
+        step_ax.plot(steps, loss.mean(0), color=color, label=name)
+        step_ax.fill_between(steps, loss.min(0), loss.max(0), color=color, alpha=0.2)
+        mb = np.asarray(curves[0]["bytes"]) / 1e6
+        bytes_ax.plot(mb[1:], loss.mean(0)[1:], color=color, label=name)
+    sweep_ax.set(
+        xscale="log", xlabel="peak learning rate", ylabel="final validation loss",
+        title=f"sweep: {study['sweep_steps']:,} steps, seed {study['sweep_seed']}",
+    )  # fmt: skip
+    step_ax.set(
+        xlabel="step", ylabel="validation loss",
+        title=f"{study['long_steps']:,} steps at the best LR, {len(study['seeds'])} seeds",
+    )  # fmt: skip
+    bytes_ax.set(
+        xlabel="MB sent per worker (log)", ylabel="validation loss", xscale="log",
+        title="validation loss vs communication",
+    )  # fmt: skip
+    for ax in (sweep_ax, step_ax, bytes_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    low = min(r["final_val_loss_mean"] for r in result["optimizers"].values())
+    for ax in (step_ax, bytes_ax):
+        ax.set_ylim(low - 0.1, low + 1.0)
+    fig.suptitle(f"{result['num_workers']} workers: {result['workload'].split(';')[0]}", fontsize=9)
+    common.save_figure(fig, path)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables, the claims and the settings, as a short Markdown report."""
+    s, study, pol = result["summary"], result["study"], result["policies_long"]
+    lines = [
+        f"# Convergence at length: {result['workload']}",
+        "",
+        table(result),
+        "",
+        time_table(result),
+        "",
+        *(f"- {key}: {value}" for key, value in s.items()),
+        f"- sweep: {study['sweep_steps']:,} steps at peak LR {study['lrs']}, seed "
+        f"{study['sweep_seed']}; long runs: {study['long_steps']:,} steps, seeds {study['seeds']}",
+        f"- policies of the long runs: freeze step {pol['freeze_step']}, kappa "
+        f"{pol['var_update_scaler']}, alpha {pol['local_step_scaler']}, H "
+        f"{pol['local_step_clipper']}",
+        f"- projection: measured ms/step of each kind + bytes / bandwidth + "
+        f"{LATENCY_US:g} us per collective, no overlap",
+        f"- this process: wall {result['wall_seconds_this_process']:.0f} s, CPU "
+        f"{result['cpu_seconds_this_process']:.0f} s",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict[str, Any], out: pathlib.Path, stem: str) -> tuple[pathlib.Path, ...]:
+    """Writes ``<stem>.json``, ``.png`` and ``.md``; removes the partial file."""
+    paths = common.write_results(out / f"{stem}.json", result, markdown(result), plot)
+    (out / f"{stem}.partial.json").unlink(missing_ok=True)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = common.argument_parser("benchmarks.convergence_long", __doc__)
+    parser.add_argument("--quick", action="store_true", help="a few-minute check, no claims")
+    parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    parser.add_argument("--out-dir", type=pathlib.Path, default=convergence.RESULTS)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    study = dataclasses.replace(
+        PRESETS["quick" if args.quick else "long"], optimizers=tuple(args.optimizers)
+    )
+    stem = "convergence_long" + ("_quick" if args.quick else "")
+    result = run(study, args.out_dir, stem, resume=args.resume, progress=not args.no_progress)
+    paths = write(result, args.out_dir, stem)
+    print()
+    print(table(result))
+    print()
+    print(time_table(result))
+    print()
+    for key, value in result["summary"].items():
+        print(f"{key}: {value}")
+    print(f"wrote {', '.join(map(str, paths))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The long convergence study end to end on a tiny model: the protocol (sweep, best learning
+rate, seeds), the statistics and the traffic, checked against independent recomputations."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+import optax_zero_one as ozo
+from benchmarks import convergence as cv
+from benchmarks import convergence_long as cl
+
+# The tiny model of test_convergence.py; 40-step sweep, 48-step long runs.
+BASE = cv.Config(
+    model=(
+        ("dim", 32),
+        ("layers", 1),
+        ("heads", 2),
+        ("context", 16),
+        ("batch_per_worker", 4),
+        ("eval_windows", 64),
+    ),
+    warmup=0.25,
+    freeze=0.5,
+    local_scaler=0.125,
+    kappa=8,
+    clipper=4,
+)
+STUDY = cl.Study(
+    base=BASE,
+    sweep_steps=40,
+    long_steps=48,
+    lrs=(1e-3, 3e-3),
+    seeds=(0, 1),
+    sweep_eval_every=20,
+    long_eval_every=16,
+    train_loss_block=8,
+)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    result = cl.run(STUDY, out, "study", progress=False)
+    return result, out
+
+
+def test_json_holds_the_protocol_s_numbers_per_optimizer(study):
+    result, out = study
+    paths = cl.write(result, out, "study")
+    data = json.loads(paths[0].read_text())
+    assert not (out / "study.partial.json").exists()
+    assert "| zero_one_adam |" in paths[2].read_text()
+    assert list(data["optimizers"]) == list(cl.OPTIMIZERS)
+    for name, r in data["optimizers"].items():
+        for field in ("final_val_loss_mean", "final_val_loss_std", "bytes_per_worker", "rounds"):
+            assert np.isfinite(r[field]), (name, field)
+        assert r["steps"] == STUDY.long_steps and r["seeds"] == [0, 1]
+        # best LR = the sweep's argmin, recomputed from the saved sweep runs
+        sweep = {lr: data["runs"][f"sweep/{name}/{lr:g}"]["final_val_loss"] for lr in STUDY.lrs}
+        assert r["best_lr"] == min(sweep, key=sweep.get)
+        finals = [data["runs"][f"long/{name}/{s}"]["final_val_loss"] for s in STUDY.seeds]
+        assert r["final_val_loss_mean"] == pytest.approx(np.mean(finals))
+        assert r["final_val_loss_std"] == pytest.approx(np.std(finals, ddof=1))
+        assert finals[0] != finals[1], f"{name}: the seeds must change the run"
+        # bytes = sum over kinds of steps x bytes per step; kinds cover every step
+        counts, traffic = r["steps_per_kind"], r["traffic_per_kind"]
+        assert sum(counts.values()) == STUDY.long_steps
+        total = sum(c * traffic[k]["bytes_per_step"] for k, c in counts.items())
+        assert r["bytes_per_worker"] == pytest.approx(total)
+        # the projection adds the link's time to the measured compute, and a slower link costs more
+        p = r["projected_run_seconds"]
+        assert p["compute_only"] <= p["10 Gbit/s"] <= p["1 Gbit/s"]
+
+
+def test_step_kinds_of_the_naive_compositions_follow_their_schedules(study):
+    result, _ = study
+    opt = result["optimizers"]
+    cfg = STUDY.config("zero_one_adam", STUDY.long_steps, 1e-3, 0, 1)
+    variance, local = cfg.policies()
+    zero_one = np.bincount(ozo.step_kinds(variance, local, STUDY.long_steps), minlength=4)
+    assert opt["zero_one_adam"]["steps_per_kind"] == {
+        k: int(c) for k, c in zip(ozo.STEP_KINDS, zero_one, strict=True) if c
+    }
+    # local Adam: full precision up to 0/1 Adam's freeze step, then 0/1 Adam's syncs
+    warm = ozo.FullPrecisionWarmup(variance.freeze_step)
+    kinds = np.bincount(ozo.step_kinds(warm, local, STUDY.long_steps), minlength=4)
+    assert opt["local_adam"]["steps_per_kind"] == {
+        "variance": variance.freeze_step,
+        "local": int(kinds[2]),
+        "sync": int(kinds[3]),
+    }
+    # every phase-A step communicates in both, and their syncs coincide
+    assert opt["local_adam"]["rounds"] == opt["zero_one_adam"]["rounds"]
+    # Adam on 1-bit gradients: one compressed mean every step, as 0/1 Adam's compressed kind
+    assert opt["onebit_grad_adam"]["steps_per_kind"] == {"compressed": STUDY.long_steps}
+    assert (
+        opt["onebit_grad_adam"]["traffic_per_kind"]["compressed"]["bytes_per_step"]
+        == (opt["zero_one_adam"]["traffic_per_kind"]["compressed"]["bytes_per_step"])
+    )
+    assert opt["local_adam"]["traffic_per_kind"]["local"]["bytes_per_step"] == 0.0
+
+
+def test_summary_matches_the_per_optimizer_numbers(study):
+    result, _ = study
+    opt, s = result["optimizers"], result["summary"]
+    base = opt["adamw"]["final_val_loss_mean"]
+    gap = 100 * (opt["zero_one_adam"]["final_val_loss_mean"] - base) / base
+    assert s["zero_one_adam_gap_to_adamw_pct"] == pytest.approx(gap, abs=1e-3)
+    less = 1 - opt["zero_one_adam"]["bytes_per_worker"] / opt["onebit_adam"]["bytes_per_worker"]
+    assert s["zero_one_adam_bytes_reduction_vs_onebit_adam_pct"] == pytest.approx(
+        100 * less, abs=0.01
+    )
+    assert s["claims"]["bytes_reduction_at_least_80pct"] == (100 * less >= 80)
+
+
+def test_resume_runs_only_what_is_missing(study, tmp_path, monkeypatch):
+    result, _ = study
+    small = dataclasses.replace(STUDY, optimizers=("adamw",), seeds=(0,))
+    saved = {
+        k: v for k, v in result["runs"].items() if k.startswith(("sweep/adamw", "long/adamw/0"))
+    }
+    partial = tmp_path / "x.partial.json"
+    partial.write_text(json.dumps({"settings": cl._settings(small), "runs": saved}))
+    monkeypatch.setattr(cv, "train", lambda *a, **k: pytest.fail("resumed study trained again"))
+    again = cl.run(small, tmp_path, "x", resume=True, progress=False)
+    assert (
+        again["optimizers"]["adamw"]["final_val_loss_mean"]
+        == saved["long/adamw/0"]["final_val_loss"]
+    )
+    with pytest.raises(SystemExit, match="other settings"):
+        cl.run(STUDY, tmp_path, "x", resume=True, progress=False)
