@@ -23,7 +23,9 @@ Protocol, fixed before any run (no seed or run is picked afterwards):
 
 1. Sweep: each optimizer at each peak learning rate of ``lrs`` for ``sweep_steps`` steps, seed
    ``sweep_seed``; its best learning rate is the one with the lowest final validation loss
-   (a non-finite loss counts as worst).
+   (a non-finite loss counts as worst). Should the best be the largest (smallest) rate tried,
+   the grid is extended on that side by its own ratio, up to ``max_extensions`` times, so that
+   no optimizer is held at the edge of a grid chosen for another (:func:`sweep`).
 2. Long runs: each optimizer at its best learning rate for ``long_steps`` steps, once per seed
    of ``seeds`` (a seed sets the initial parameters and the data order). Reported: the mean
    and sample standard deviation (``ddof=1``) of the final validation loss over the seeds, the
@@ -74,6 +76,7 @@ class Study:
     sweep_eval_every: int = 500
     long_eval_every: int = 250
     train_loss_block: int = 100
+    max_extensions: int = 2
     optimizers: tuple[str, ...] = OPTIMIZERS
 
     def config(self, name: str, steps: int, lr: float, seed: int, eval_every: int) -> Any:
@@ -129,6 +132,24 @@ def best_lr(sweep: dict[float, float]) -> float:
     return min(sweep, key=lambda lr: sweep[lr] if math.isfinite(sweep[lr]) else math.inf)
 
 
+def sweep(study: Study, train: Any) -> dict[float, float]:
+    """The sweep of one optimizer: ``train(lr) -> final validation loss`` for each rate of
+    ``study.lrs``, then, while the best is at an edge of the rates tried (and at most
+    ``study.max_extensions`` times), for the next rate beyond that edge."""
+    losses = {lr: train(lr) for lr in study.lrs}
+    ratio = study.lrs[-1] / study.lrs[-2] if len(study.lrs) > 1 else 2.0
+    for _ in range(study.max_extensions):
+        best = best_lr(losses)
+        if best == max(losses) and math.isfinite(losses[best]):
+            lr = best * ratio
+        elif best == min(losses) and math.isfinite(losses[best]):
+            lr = best / ratio
+        else:
+            break
+        losses[float(f"{lr:.6g}")] = train(float(f"{lr:.6g}"))
+    return dict(sorted(losses.items()))
+
+
 def projected_seconds(run: dict[str, Any], gbit_s: float | None) -> float:
     """The run's time: per step, its kind's measured time plus (with a link) the kind's
     ``bytes / bandwidth + launches x latency``."""
@@ -147,8 +168,10 @@ def aggregate(study: Study, runs: dict[str, Any]) -> dict[str, Any]:
     """Per optimizer: the sweep, the best learning rate and the long runs' statistics."""
     out: dict[str, Any] = {}
     for name in study.optimizers:
-        sweep = {lr: runs[_run_key("sweep", name, lr)]["final_val_loss"] for lr in study.lrs}
-        lr = best_lr(sweep)
+        prefix = f"sweep/{name}/"
+        swept = {float(k[len(prefix) :]): r for k, r in runs.items() if k.startswith(prefix)}
+        losses = {lr: swept[lr]["final_val_loss"] for lr in sorted(swept)}
+        lr = best_lr(losses)
         long = [runs[_run_key("long", name, seed)] for seed in study.seeds]
         finals = np.asarray([r["final_val_loss"] for r in long], np.float64)
         sent = {r["bytes_per_worker"] for r in long}
@@ -159,7 +182,10 @@ def aggregate(study: Study, runs: dict[str, Any]) -> dict[str, Any]:
         per_kind = {k: float(np.mean([r["seconds"]["per_kind"][k] for r in long])) for k in kinds}
         mean_run = {**long[0], "seconds": {"per_kind": per_kind}}
         out[name] = {
-            "sweep_final_val_loss": {f"{k:g}": v for k, v in sweep.items()},
+            # None: diverged (a non-finite loss)
+            "sweep_final_val_loss": {
+                f"{k:g}": v if math.isfinite(v) else None for k, v in losses.items()
+            },
             "best_lr": lr,
             "seeds": list(study.seeds),
             "steps": study.long_steps,
@@ -255,16 +281,15 @@ def run(
             print(f"{key}: final val loss {loss:.4f}", file=sys.stderr, flush=True)
         return store.runs[key]
 
+    best, seed, every = {}, study.sweep_seed, study.sweep_eval_every
     for name in study.optimizers:
-        for lr in study.lrs:
-            seed, every = study.sweep_seed, study.sweep_eval_every
-            train("sweep", name, lr, study.config(name, study.sweep_steps, lr, seed, every))
-    best = {
-        name: best_lr(
-            {lr: store.runs[_run_key("sweep", name, lr)]["final_val_loss"] for lr in study.lrs}
+        losses = sweep(
+            study,
+            lambda lr, name=name: train(
+                "sweep", name, lr, study.config(name, study.sweep_steps, lr, seed, every)
+            )["final_val_loss"],
         )
-        for name in study.optimizers
-    }
+        best[name] = best_lr(losses)
     for seed in study.seeds:  # seeds outermost: an interrupted study has whole seeds
         for name in study.optimizers:
             cfg = study.config(name, study.long_steps, best[name], seed, study.long_eval_every)
@@ -297,10 +322,9 @@ def run(
 
 def table(result: dict[str, Any]) -> str:
     """The main table, in Markdown."""
-    lrs = [f"{lr:g}" for lr in result["study"]["lrs"]]
     head = [
         "optimizer",
-        *(f"sweep loss @ {lr}" for lr in lrs),
+        "sweep: peak LR (final val loss)",
         "best LR",
         "final val loss (mean ± std)",
         "gap to AdamW",
@@ -312,15 +336,19 @@ def table(result: dict[str, Any]) -> str:
         gap = r.get("gap_to_adamw_pct")
         cells = [
             name,
-            *(f"{r['sweep_final_val_loss'][lr]:.4f}" for lr in lrs),
+            ", ".join(f"{lr} ({_number(v)})" for lr, v in r["sweep_final_val_loss"].items()),
             f"{r['best_lr']:g}",
-            f"{r['final_val_loss_mean']:.4f} ± {r['final_val_loss_std']:.4f}",
+            f"{_number(r['final_val_loss_mean'])} ± {_number(r['final_val_loss_std'])}",
             "-" if gap is None or name == "adamw" else f"{gap:+.2f}%",
             f"{r['bytes_per_worker'] / 1e6:,.1f}",
             f"{r['rounds']:,}",
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _number(x: float | None) -> str:
+    return "diverged" if x is None or not math.isfinite(x) else f"{x:.4f}"
 
 
 def time_table(result: dict[str, Any]) -> str:
@@ -347,7 +375,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     runs, study = result["runs"], result["study"]
     for name, r in result["optimizers"].items():
         lrs = [float(k) for k in r["sweep_final_val_loss"]]
-        (line,) = sweep_ax.plot(lrs, list(r["sweep_final_val_loss"].values()), marker="o")
+        swept = [np.nan if v is None else v for v in r["sweep_final_val_loss"].values()]
+        (line,) = sweep_ax.plot(lrs, swept, marker="o")
         line.set_label(name)
         curves = [runs[_run_key("long", name, s)]["val"] for s in study["seeds"]]
         steps = np.asarray(curves[0]["step"])
@@ -404,10 +433,22 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def write(result: dict[str, Any], out: pathlib.Path, stem: str) -> tuple[pathlib.Path, ...]:
-    """Writes ``<stem>.json``, ``.png`` and ``.md``; removes the partial file."""
+    """Writes ``<stem>.json`` (standard JSON: a non-finite number becomes ``null``), ``.png``
+    and ``.md``; removes the partial file."""
+    result = _finite_or_none(result)
     paths = common.write_results(out / f"{stem}.json", result, markdown(result), plot)
     (out / f"{stem}.partial.json").unlink(missing_ok=True)
     return paths
+
+
+def _finite_or_none(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _finite_or_none(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_finite_or_none(v) for v in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
 
 
 def main(argv: list[str] | None = None) -> None:

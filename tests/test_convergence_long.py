@@ -11,7 +11,9 @@ import optax_zero_one as ozo
 from benchmarks import convergence as cv
 from benchmarks import convergence_long as cl
 
-# The tiny model of test_convergence.py; 40-step sweep, 48-step long runs.
+# The tiny model of test_convergence.py. The sweep and the long runs have one length, so that the
+# long runs reuse the sweep's compiled programs (one per optimizer and learning rate), and the
+# long run of the sweep's seed must repeat the sweep's run at the best learning rate exactly.
 BASE = cv.Config(
     model=(
         ("dim", 32),
@@ -30,12 +32,13 @@ BASE = cv.Config(
 STUDY = cl.Study(
     base=BASE,
     sweep_steps=40,
-    long_steps=48,
+    long_steps=40,
     lrs=(1e-3, 3e-3),
     seeds=(0, 1),
     sweep_eval_every=20,
-    long_eval_every=16,
+    long_eval_every=20,
     train_loss_block=8,
+    max_extensions=0,
 )
 
 
@@ -60,6 +63,8 @@ def test_json_holds_the_protocol_s_numbers_per_optimizer(study):
         # best LR = the sweep's argmin, recomputed from the saved sweep runs
         sweep = {lr: data["runs"][f"sweep/{name}/{lr:g}"]["final_val_loss"] for lr in STUDY.lrs}
         assert r["best_lr"] == min(sweep, key=sweep.get)
+        best = data["runs"][f"sweep/{name}/{r['best_lr']:g}"]
+        assert data["runs"]["long/" + name + "/0"]["val"] == best["val"], "not deterministic"
         finals = [data["runs"][f"long/{name}/{s}"]["final_val_loss"] for s in STUDY.seeds]
         assert r["final_val_loss_mean"] == pytest.approx(np.mean(finals))
         assert r["final_val_loss_std"] == pytest.approx(np.std(finals, ddof=1))
@@ -131,3 +136,31 @@ def test_resume_runs_only_what_is_missing(study, tmp_path, monkeypatch):
     )
     with pytest.raises(SystemExit, match="other settings"):
         cl.run(STUDY, tmp_path, "x", resume=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("curve", "tried"),
+    [
+        # a minimum inside the grid: no extension
+        (lambda lr: (lr - 2e-3) ** 2, [1e-3, 2e-3, 4e-3]),
+        # best at the top edge: extend upwards until the minimum is inside (here at 8e-3)
+        (lambda lr: (lr - 9e-3) ** 2, [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]),
+        # still at the edge after max_extensions=2: stop there
+        (lambda lr: -lr, [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]),
+        # best at the bottom edge: extend downwards
+        (lambda lr: lr, [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3]),
+        # the top diverges: a non-finite loss is never best, so no extension beyond it
+        (lambda lr: float("nan") if lr > 3e-3 else -lr, [1e-3, 2e-3, 4e-3]),
+    ],
+)
+def test_sweep_extends_the_grid_while_the_best_rate_is_at_its_edge(curve, tried):
+    calls = []
+
+    def train(lr):
+        calls.append(lr)
+        return curve(lr)
+
+    study = cl.Study(lrs=(1e-3, 2e-3, 4e-3), max_extensions=2)
+    losses = cl.sweep(study, train)
+    assert sorted(calls) == pytest.approx(tried)
+    assert list(losses) == sorted(calls)
