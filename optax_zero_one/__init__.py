@@ -30,6 +30,7 @@ and checkpoints across worker counts (:func:`check_worker_count`, :func:`reset_c
 from optax_zero_one.checkpoint import check_worker_count, reset_compression, worker_count
 from optax_zero_one.collective import OnebitMeanState, compressed_mean, float_mean, onebit_mean
 from optax_zero_one.comm_stats import Collective, CommStats, comm_stats, parse_hlo
+from optax_zero_one.data_parallel import DataParallel, ShardLocalState, data_parallel
 from optax_zero_one.deepspeed import from_deepspeed_config
 from optax_zero_one.distributed import (
     DistributedJob,
@@ -75,6 +76,9 @@ from optax_zero_one.zero_one_adam import scale_by_zero_one_adam, zero_one_adam
 __version__ = "0.2.0"
 
 __all__ = [
+    "DataParallel",
+    "ShardLocalState",
+    "data_parallel",
     "Collective",
     "CommStats",
     "DistributedJob",

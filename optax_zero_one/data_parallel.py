@@ -1,0 +1,457 @@
+"""0/1 Adam on the data axis of any mesh, for ``jax.jit`` training loops (``docs/jit.md``).
+
+A jit user holds one copy of the params, replicated over the mesh's ``data`` axis and perhaps
+sharded over others (``model``, ``fsdp``), and lets XLA average the gradients. The compressing
+optimizers need something else: every data worker keeps its own params and state (during local
+steps they differ), the *worker layout* (a leading worker axis sharded over ``data``), and each
+worker's update must see its *local* gradient. :class:`DataParallel` does the conversion:
+
+- :meth:`DataParallel.jit` turns a per-worker step, written as for one device with local
+  gradients, into one jitted program over the worker layout, manual only over the data axis
+  (``jax.shard_map(..., axis_names={data})``): the other mesh axes stay automatic, so params
+  sharded over ``model`` keep their sharding inside the step and XLA inserts the model's own
+  collectives as usual. The batch is passed as a jit user has it: one global batch whose
+  leading axis is split over the data workers.
+- :meth:`DataParallel.optimizer` makes an optimizer work on model-sharded params: each device
+  runs it on its own shard of every leaf (a ``shard_map`` over the other axes, nested inside the
+  step), so the compressed collectives run over ``data`` only and no model-sharded leaf is ever
+  gathered. Each model shard of a leaf is compressed with its own scale.
+- :meth:`DataParallel.to_workers`, :meth:`~DataParallel.from_workers`,
+  :meth:`~DataParallel.init` and :meth:`~DataParallel.synchronized_params` go between the
+  user's layout and the worker layout, in one process and across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_zero_one import _graph, workers
+
+
+class ShardLocalState(NamedTuple):
+    """State of :meth:`DataParallel.optimizer`: the inner optimizer's state of every model shard.
+
+    Attributes:
+      inner: the inner state, each array with a leading axis of one entry per shard of the
+        other mesh axes (sharded over them): every device keeps the state of its own shard.
+    """
+
+    inner: Any
+
+
+def _spec_axes(spec: P) -> set[str]:
+    axes: set[str] = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        axes.update((entry,) if isinstance(entry, str) else entry)
+    return axes
+
+
+def _leaf_name(path: Any) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Data-parallel training with a compressing optimizer on one axis of a mesh.
+
+    Build it with :func:`data_parallel`. All methods are safe to call in every process of a
+    multi-process job (each process passes the same arguments, as with ``jax.jit``).
+
+    Attributes:
+      mesh: the device mesh (``jax.sharding.Mesh``), ``Auto`` axes.
+      data_axis: the mesh axis of the data workers: the ``axis_name`` of the optimizer.
+      param_specs: a tree like the params of ``PartitionSpec``\\ s over the *other* axes (how
+        a jit user shards each leaf; ``P()``: replicated).
+    """
+
+    mesh: jax.sharding.Mesh
+    data_axis: str
+    param_specs: Any
+
+    @property
+    def num_workers(self) -> int:
+        """The number of data workers (the size of the data axis)."""
+        return self.mesh.shape[self.data_axis]
+
+    @property
+    def other_axes(self) -> tuple[str, ...]:
+        """The mesh axes other than the data axis."""
+        return tuple(a for a in self.mesh.axis_names if a != self.data_axis)
+
+    @property
+    def model_sharded(self) -> bool:
+        """Whether some leaf is sharded over another axis (then wrap the optimizer)."""
+        specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, P))
+        return any(_spec_axes(s) for s in specs)
+
+    # ------------------------------------------------------------------ layouts
+
+    def worker_specs(self, specs: Any = None) -> Any:
+        """The worker layout's specs: ``P(data, *spec)`` for each leaf's ``spec``."""
+        specs = self.param_specs if specs is None else specs
+        return jax.tree.map(
+            lambda s: P(self.data_axis, *s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    def to_workers(self, tree: Any, specs: Any = None) -> Any:
+        """A tree in the user's layout (default specs: the params') as the worker layout.
+
+        Each leaf ``x`` (a ``jax.Array`` sharded as its spec says, or a host array that every
+        process holds in full) becomes ``N`` copies on a leading axis sharded over the data
+        axis, placed without communication: every device's block is its own shard of ``x``
+        (``jax.make_array_from_single_device_arrays``), so this works when the mesh spans
+        several processes.
+        """
+        specs = self.param_specs if specs is None else specs
+        _check_structure(tree, specs, "the tree", "its specs")
+
+        def one(x: Any, spec: P) -> jax.Array:
+            sharding = NamedSharding(self.mesh, spec)
+            if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)):
+                x = _place(np.asarray(x) if not isinstance(x, jax.Array) else x, sharding)
+            target = NamedSharding(self.mesh, P(self.data_axis, *spec))
+            blocks = {s.device: s.data for s in x.addressable_shards}
+            return jax.make_array_from_single_device_arrays(
+                (self.num_workers, *x.shape),
+                target,
+                [
+                    blocks[d][None]
+                    for d in target.addressable_devices_indices_map((self.num_workers, *x.shape))
+                ],
+            )
+
+        return jax.tree.map(one, tree, specs, is_leaf=lambda x: isinstance(x, P))
+
+    def from_workers(self, tree: Any, specs: Any = None, worker: int = 0) -> Any:
+        """One worker's copy of a worker-layout tree, in the user's layout (``jax.Array``\\ s
+        sharded by ``specs``, default the params'). Runs as one jitted program on every
+        process."""
+        specs = self.param_specs if specs is None else specs
+        self.check_worker_layout(tree, "the tree")
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+        return jax.jit(lambda t: jax.tree.map(lambda x: x[worker], t), out_shardings=shardings)(
+            tree
+        )
+
+    def check_worker_layout(self, tree: Any, what: str) -> None:
+        """Raises ``ValueError`` unless every array of ``tree`` has a leading axis of one entry
+        per data worker sharded over the data axis."""
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            shape = np.shape(x)
+            spec = (
+                x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else None
+            )
+            ok = len(shape) >= 1 and shape[0] == self.num_workers
+            if not isinstance(x, jax.core.Tracer):  # traced (e.g. comm_stats): shapes only
+                ok = ok and spec is not None and len(spec) >= 1 and spec[0] == self.data_axis
+            if not ok:
+                raise ValueError(
+                    f"{what} is not in the worker layout: leaf {_leaf_name(path)} has shape "
+                    f"{shape} and sharding {getattr(x, 'sharding', None)}, not a leading axis of "
+                    f"{self.num_workers} data workers sharded over {self.data_axis!r}. Convert "
+                    "your params with dp.to_workers(params) and build the state with "
+                    "dp.init(tx, params)."
+                )
+
+    # ------------------------------------------------------------------ optimizer
+
+    def optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+        """``tx`` (built with ``axis_name=data_axis``) run on each device's own model shard.
+
+        On a mesh where no leaf is sharded over another axis this is ``tx`` itself. Otherwise
+        ``init`` and ``update`` run inside a ``shard_map`` over the other axes, nested in the
+        step: every device sees its shard of each leaf (and of the state), the compressed and
+        float means run over the data axis within each model shard, and updates come out
+        sharded like the params. Each shard of a leaf gets its own compression scale. Before
+        the update, a non-finite gradient anywhere in a worker's model shards is made visible
+        to all of them, so that every shard skips or drops the same steps and the copies of
+        replicated leaves stay identical.
+        """
+        if not self.model_sharded:
+            return optax.with_extra_args_support(tx)
+        stack = P(self.other_axes)
+        # Specs as a list, one per leaf: the trees the optimizer sees may wrap their leaves
+        # differently from the params the specs came from (e.g. Flax NNX's State of Params).
+        specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, P))
+
+        def nested(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+            return jax.shard_map(
+                fn,
+                mesh=jax.sharding.get_abstract_mesh(),
+                in_specs=in_specs,
+                out_specs=out_specs,
+                axis_names=set(self.other_axes),
+                check_vma=False,
+            )
+
+        def leaves(tree: Any, what: str) -> tuple[list, Any]:
+            values, treedef = jax.tree.flatten(tree)
+            if len(values) != len(specs):
+                raise ValueError(
+                    f"{what} has {len(values)} leaves, the params given to data_parallel "
+                    f"{len(specs)}: build the DataParallel from the params this optimizer updates."
+                )
+            return values, treedef
+
+        def init_fn(params: Any) -> ShardLocalState:
+            values, treedef = leaves(params, "params")
+            init = lambda p: _stack(tx.init(jax.tree.unflatten(treedef, p)))  # noqa: E731
+            return ShardLocalState(nested(init, (specs,), stack)(values))
+
+        def update_fn(
+            updates: Any, state: ShardLocalState, params: Any = None, **extra: Any
+        ) -> tuple[Any, ShardLocalState]:
+            values, treedef = leaves(_poison_if_not_finite(updates), "updates")
+            static, dynamic = _split_static(state.inner)
+            p_def = None if params is None else leaves(params, "params")[1]
+
+            def local(u: Any, s: Any, *p: Any) -> Any:
+                inner = _join_static(static, jax.tree.map(lambda x: x[0], s))
+                p = [jax.tree.unflatten(p_def, p[0])] if p else []
+                u, inner = tx.update(jax.tree.unflatten(treedef, u), inner, *p, **extra)
+                return jax.tree.leaves(u), _stack(inner)
+
+            args, in_specs = (values, dynamic), (specs, stack)
+            if params is not None:
+                args, in_specs = (*args, jax.tree.leaves(params)), (*in_specs, specs)
+            out, inner = nested(local, in_specs, (specs, stack))(*args)
+            return jax.tree.unflatten(treedef, out), ShardLocalState(inner)
+
+        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+    def init(self, tx: optax.GradientTransformation, params: Any) -> Any:
+        """The optimizer state of ``params`` (worker layout), in the worker layout."""
+        self.check_worker_layout(params, "params")
+        if self.model_sharded and not _graph.nodes_of(
+            jax.eval_shape(self.on_workers(tx.init), params), ShardLocalState
+        ):
+            raise ValueError(
+                f"some params are sharded over {self.other_axes}: wrap the optimizer with "
+                "dp.optimizer(tx), so that it runs on each model shard instead of gathering them."
+            )
+        return jax.jit(self.on_workers(tx.init))(params)
+
+    def on_workers(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` on one worker's trees, lifted to the worker layout: every argument and result
+        has a leading worker axis; ``fn`` runs manual over the data axis only (other axes
+        automatic). Not jitted. E.g. ``jax.jit(dp.on_workers(make_nnx_optimizer_state))``."""
+
+        def body(*args: Any) -> Any:
+            out = fn(*jax.tree.map(lambda x: x[0], args))
+            return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
+
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=P(self.data_axis),
+            out_specs=P(self.data_axis),
+            axis_names={self.data_axis},
+        )
+
+    # ------------------------------------------------------------------ the step
+
+    def jit(
+        self, step: Callable[..., Any], donate: bool = True
+    ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]:
+        """``step(params, opt_state, batch) -> (params, opt_state, aux)`` over the worker layout.
+
+        ``step`` is one worker's step: its params and state, its share of the batch (the
+        global batch's leading axis split into ``N`` equal consecutive parts), gradients taken
+        locally, the optimizer (built with ``axis_name=data_axis``) doing the communicating.
+        The returned function takes params and state in the worker layout and the *global*
+        batch (any tree whose leaves have a leading axis divisible by ``N``), and returns
+        params, state and ``aux`` in the worker layout (``aux``'s leaves get a leading worker
+        axis). It is jitted; with ``donate`` the params and state buffers are reused.
+        """
+        mapped = jax.jit(self.on_workers(step), donate_argnums=(0, 1) if donate else ())
+        n = self.num_workers
+
+        def split(batch: Any) -> Any:
+            return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+        split_jit = jax.jit(split, out_shardings=NamedSharding(self.mesh, P(self.data_axis)))
+
+        def run(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+            self.check_worker_layout(params, "params")
+            self.check_worker_layout(opt_state, "opt_state")
+            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+                if np.ndim(x) == 0 or np.shape(x)[0] % n:
+                    raise ValueError(
+                        f"batch leaf {_leaf_name(path)} has shape {np.shape(x)}: its leading "
+                        f"axis must split into {n} equal parts, one per data worker. Make the "
+                        f"global batch size a multiple of {n}."
+                    )
+            return mapped(params, opt_state, split_jit(batch))
+
+        return run
+
+    # ------------------------------------------------------------------ evaluation
+
+    def synchronized_params(self, params: Any, opt_state: Any) -> Any:
+        """The parameters at the last synchronisation, in the user's layout (sharded by
+        ``param_specs``, no worker axis): what to evaluate, export or checkpoint."""
+        self.check_worker_layout(params, "params")
+        specs, stack = self.param_specs, P(self.other_axes)
+
+        def one(p: Any, s: Any) -> Any:
+            found = _graph.nodes_of(s, ShardLocalState)
+            if not found:
+                return workers.synchronized_params(p, s)
+            if len(found) > 1:
+                raise ValueError("opt_state holds more than one ShardLocalState")
+            static, dynamic = _split_static(found[0].inner)
+
+            def local(p: Any, d: Any) -> Any:
+                inner = _join_static(static, jax.tree.map(lambda x: x[0], d))
+                return workers.synchronized_params(p, inner)
+
+            return jax.shard_map(
+                local,
+                mesh=jax.sharding.get_abstract_mesh(),
+                in_specs=(specs, stack),
+                out_specs=specs,
+                axis_names=set(self.other_axes),
+                check_vma=False,
+            )(p, dynamic)
+
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+        return jax.jit(
+            lambda p, s: jax.tree.map(lambda x: x[0], self.on_workers(one)(p, s)),
+            out_shardings=shardings,
+        )(params, opt_state)
+
+
+def data_parallel(mesh: jax.sharding.Mesh, params: Any, data_axis: str = "data") -> DataParallel:
+    """A :class:`DataParallel` for ``params`` (as a jit user holds them) on ``mesh``.
+
+    Args:
+      mesh: the device mesh; must have ``data_axis``. Axes should be ``Auto``
+        (``jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * k)``).
+      params: the params tree in the user's layout: ``jax.Array``\\ s sharded with a
+        ``NamedSharding`` over ``mesh`` (replicated over the data axis), host arrays (taken as
+        replicated), or ``PartitionSpec``\\ s directly.
+      data_axis: the mesh axis of the data workers; build the optimizer with
+        ``axis_name=data_axis``.
+
+    Returns:
+      The :class:`DataParallel` helper.
+
+    Example:
+      >>> dp = data_parallel(mesh, params, "data")
+      >>> tx = dp.optimizer(zero_one_adam(1e-3, axis_name="data"))
+      >>> params_w = dp.to_workers(params)
+      >>> opt_state = dp.init(tx, params_w)
+      >>> train_step = dp.jit(step)  # step(params, opt_state, batch) -> (params, opt_state, aux)
+    """
+    if not isinstance(data_axis, str) or data_axis not in mesh.axis_names:
+        raise ValueError(
+            f"the mesh has axes {mesh.axis_names} and no data axis {data_axis!r}: make a mesh "
+            f"with a data axis, e.g. jax.make_mesh(({mesh.size}, 1), ({data_axis!r}, 'model'), "
+            "axis_types=(jax.sharding.AxisType.Auto,) * 2), or pass data_axis= the name of the "
+            "axis your batch is split over."
+        )
+    manual = [
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t != jax.sharding.AxisType.Auto
+    ]  # fmt: skip
+    if manual:
+        raise ValueError(
+            f"mesh axes {manual} are not Auto ({mesh.axis_types}): make the mesh with "
+            "axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names), so that XLA shards the "
+            "model's operations over the other axes."
+        )
+
+    def spec_of(path: Any, x: Any) -> P:
+        if isinstance(x, P):
+            spec = x
+        elif isinstance(getattr(x, "sharding", None), NamedSharding):
+            if x.sharding.mesh.shape_tuple != mesh.shape_tuple:
+                raise ValueError(
+                    f"param {_leaf_name(path)} is sharded over mesh {x.sharding.mesh.shape}, not "
+                    f"over {mesh.shape}: place the params on the mesh you pass."
+                )
+            spec = x.sharding.spec
+        else:
+            spec = P()
+        if data_axis in _spec_axes(spec):
+            raise ValueError(
+                f"param {_leaf_name(path)} is sharded over the data axis {data_axis!r} ({spec}): "
+                "every data worker keeps a whole copy of its params (and they differ during "
+                "local steps). Shard it over another axis (e.g. 'fsdp' or 'model') and keep "
+                f"{data_axis!r} for the batch."
+            )
+        return spec
+
+    specs = jax.tree_util.tree_map_with_path(spec_of, params, is_leaf=lambda x: isinstance(x, P))
+    return DataParallel(mesh, data_axis, specs)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _check_structure(tree: Any, specs: Any, what: str, specs_what: str) -> None:
+    got = jax.tree.structure(tree)
+    want = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P))
+    if got != want:
+        raise ValueError(f"{what} does not have the structure of {specs_what}: {got} vs {want}")
+
+
+def _place(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``x`` placed with ``sharding``; every process passes the whole value."""
+    if isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _stack(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
+
+
+def _split_static(tree: Any) -> tuple[list, Any]:
+    """``(static leaves, tree with them as None)``: a pinned state's counters are Python ints,
+    which do not pass through ``shard_map`` (:func:`~optax_zero_one.pin_step`)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    static = [x if _graph.all_static(x) else None for x in leaves]
+    dynamic = [None if _graph.all_static(x) else x for x in leaves]
+    return [static, treedef], jax.tree.unflatten(treedef, dynamic)
+
+
+def _join_static(static: list, dynamic: Any) -> Any:
+    values, treedef = static
+    leaves = jax.tree.leaves(dynamic, is_leaf=lambda x: x is None)
+    return jax.tree.unflatten(
+        treedef, [s if s is not None else d for s, d in zip(values, leaves, strict=True)]
+    )
+
+
+def _poison_if_not_finite(updates: Any) -> Any:
+    """``updates`` with every element NaN where any element of this worker is not finite
+    (computed across the model shards by XLA), else unchanged."""
+    leaves = [x for x in jax.tree.leaves(updates) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return updates
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return jax.tree.map(
+        lambda x: (
+            jnp.where(finite, x, jnp.nan).astype(x.dtype)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+            else x
+        ),
+        updates,
+    )
