@@ -16,38 +16,12 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.jobs.data_parallel_worker import SPECS, STEPS, host_params, loss_fn, make_tx
 
 import optax_zero_one as ozo
 
 AUTO = jax.sharding.AxisType.Auto
 N = 4
-SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
-STEPS = 14  # kinds 0 0 1 0 1 0 3 3 3 3 2 3 2 3: every kind, a sync last
-
-
-def make_tx():
-    return ozo.zero_one_adam(
-        1e-2,
-        axis_name="data",
-        var_freeze_step=6,
-        var_update_scaler=2,
-        local_step_scaler=4,
-        local_step_clipper=2,
-    )
-
-
-def host_params(seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "w1": (0.3 * rng.standard_normal((16, 32))).astype(np.float32),
-        "w2": (0.3 * rng.standard_normal((32, 4))).astype(np.float32),
-        "b": np.zeros((4,), np.float32),
-    }
-
-
-def loss_fn(p, x):
-    h = jnp.tanh(x @ p["w1"])
-    return jnp.mean((h @ p["w2"] + p["b"] - jnp.sin(x[:, :4])) ** 2)
 
 
 def batches(steps, seed=1):
@@ -302,3 +276,38 @@ def test_bad_input_is_refused_with_the_fix():
         train(params_w, state, np.zeros((30, 16), np.float32))
     with pytest.raises(ValueError, match="params is not in the worker layout"):
         train(params, state, np.zeros((32, 16), np.float32))
+
+
+def test_two_processes_train_as_one(tmp_path):
+    """The same training on 2 processes x 4 devices (the data axis spans both; params placed
+    and converted per process) and on this process's 8 devices: the same losses and
+    evaluation params up to the float all-reduce's summation order, identical on both
+    processes."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from support.jobs import data_parallel_worker as job
+
+    tests = pathlib.Path(__file__).resolve().parent
+    launch = ["-m", "optax_zero_one.launch", "--processes", "2", "--devices-per-process", "4"]
+    proc = subprocess.Popen(
+        [sys.executable, *launch, "--timeout", "250", "--"]
+        + ["support.jobs.data_parallel_worker", "--out", str(tmp_path)],
+        cwd=tests,
+        env=dict(os.environ, PJRT_NPROC="8", JAX_PLATFORMS="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    losses, evaluated = job.train()  # meanwhile, the single-process reference
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-5000:]
+    parts = [dict(np.load(tmp_path / f"p{r}.npz")) for r in range(2)]
+    for key in parts[0]:
+        np.testing.assert_array_equal(parts[0][key], parts[1][key], err_msg=key)
+    np.testing.assert_allclose(parts[0]["losses"], losses, rtol=1e-5)
+    assert losses[-1] < 0.5 * losses[0]
+    for key, want in evaluated.items():
+        np.testing.assert_allclose(parts[0][key], want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -20,7 +20,9 @@ SCRIPTS = {
     "nnx_shard_map": ["--steps", "40"],
     "linen_pmap": ["--steps", "40"],
     "vmap_simulated_workers": ["--steps", "40", "--workers", "4"],
+    "jit_sharded": ["--steps", "40"],
 }
+REPORTS_IN_TABLE = ["nnx_shard_map", "linen_pmap", "vmap_simulated_workers"]
 TIMEOUT_S = 480
 
 
@@ -56,7 +58,7 @@ def outputs():
     return results
 
 
-@pytest.mark.parametrize("name", list(SCRIPTS))
+@pytest.mark.parametrize("name", REPORTS_IN_TABLE)
 def test_example_runs_and_reports(outputs, name):
     code, out = outputs[name]
     assert code == 0, out[-3000:]
@@ -69,6 +71,31 @@ def test_example_runs_and_reports(outputs, name):
     assert 0 < sent < baseline / 2, out[-3000:]
     for kind in ("variance", "compressed", "sync", "local"):
         assert re.search(rf"^\s+{kind}\s+[1-9]\d* steps x", out, re.M), (kind, out[-3000:])
+
+
+def test_jit_sharded_example_trains_on_a_two_d_mesh_and_reports_its_bytes(outputs):
+    code, out = outputs["jit_sharded"]
+    assert code == 0, out[-3000:]
+    assert "4 data x 2 model devices" in out
+    first = float(re.search(r"step    0  eval loss ([\d.]+)", out).group(1))
+    last_line = out.strip().splitlines()[-1]
+    final = re.fullmatch(
+        r"final eval loss ([\d.]+) after 40 steps, bytes sent per data worker ([\d,]+) "
+        r"\(pmean every step would send ([\d,]+)\)",
+        last_line,
+    )
+    assert final, last_line
+    loss, sent, pmean = (float(v.replace(",", "")) for v in final.groups())
+    assert loss < first - 0.5, out[-3000:]
+    assert 0 < sent < 0.6 * pmean, out[-3000:]
+    # a variance step's float mean is a pmean of this device's shard (up to leaf padding);
+    # a 1-bit step sends ~1/16 of it (two phases of 1 bit against a 32-bit ring all-reduce)
+    per_kind = dict(
+        (k, float(v.replace(",", "")))
+        for k, v in re.findall(r"(variance|compressed|sync|a pmean) ([\d,]+)", out)
+    )
+    assert per_kind["a pmean"] <= per_kind["variance"] <= 1.05 * per_kind["a pmean"]
+    assert per_kind["compressed"] < per_kind["a pmean"] / 12
 
 
 def load(name):

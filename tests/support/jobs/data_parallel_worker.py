@@ -1,0 +1,108 @@
+"""``ozo.data_parallel`` on a ("data"=4, "model"=2) mesh, in one process or across several.
+
+Driven by ``tests/test_data_parallel.py``, from ``tests/``::
+
+    python -m optax_zero_one.launch --processes 2 --devices-per-process 4 -- \\
+        support.jobs.data_parallel_worker --out DIR
+
+Every process places the params (``jax.make_array_from_callback``, as a multi-host user does),
+converts them to the worker layout, trains 14 steps through every step kind and writes
+``DIR/p<rank>.npz``: each step's mean loss over the data workers, and the evaluation params
+(``dp.synchronized_params``) gathered to every process. :func:`train` is also what the test
+runs in its own process, on 8 devices, as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before JAX initialises its backend (docs/testing.md)
+    os.environ.setdefault("PJRT_NPROC", "16")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import pathlib  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import optax_zero_one as ozo  # noqa: E402
+
+SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
+STEPS = 14
+
+
+def host_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (0.3 * rng.standard_normal((16, 32))).astype(np.float32),
+        "w2": (0.3 * rng.standard_normal((32, 4))).astype(np.float32),
+        "b": np.zeros((4,), np.float32),
+    }
+
+
+def make_tx() -> optax.GradientTransformationExtraArgs:
+    """0/1 Adam whose 14 steps take the kinds 0 0 1 0 1 0 3 3 3 3 2 3 2 3 (every kind)."""
+    return ozo.zero_one_adam(
+        1e-2,
+        axis_name="data",
+        var_freeze_step=6,
+        var_update_scaler=2,
+        local_step_scaler=4,
+        local_step_clipper=2,
+    )
+
+
+def loss_fn(p: dict, x: jax.Array) -> jax.Array:
+    h = jnp.tanh(x @ p["w1"])
+    return jnp.mean((h @ p["w2"] + p["b"] - jnp.sin(x[:, :4])) ** 2)
+
+
+def train() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Losses of every step and the evaluation params, on this job's 8 devices."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto, devices=devices)
+    params = {
+        k: jax.make_array_from_callback(x.shape, NamedSharding(mesh, SPECS[k]), lambda i, x=x: x[i])
+        for k, x in host_params().items()
+    }
+    dp = ozo.data_parallel(mesh, params)
+    tx = dp.optimizer(make_tx())
+
+    def step(p: dict, s: object, x: jax.Array) -> tuple:
+        loss, g = jax.value_and_grad(loss_fn)(p, x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    params_w = dp.to_workers(params)
+    state = dp.init(tx, params_w)
+    train_step = dp.jit(step)
+    rng = np.random.default_rng(1)
+    losses = []
+    for _ in range(STEPS):
+        x = rng.standard_normal((32, 16)).astype(np.float32)  # the same global batch everywhere
+        params_w, state, loss = jax.block_until_ready(train_step(params_w, state, x))
+        everywhere = jax.jit(jnp.mean, out_shardings=NamedSharding(mesh, P()))(loss)
+        losses.append(float(np.asarray(everywhere.addressable_data(0))))
+    evaluated = dp.synchronized_params(params_w, state)
+    replicated = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(evaluated)
+    return np.asarray(losses), {k: np.asarray(v.addressable_data(0)) for k, v in replicated.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+    job = ozo.initialize_from_env()
+    losses, evaluated = train()
+    args.out.mkdir(parents=True, exist_ok=True)
+    np.savez(args.out / f"p{job.process_id}.npz", losses=losses, **evaluated)
+
+
+if __name__ == "__main__":
+    main()
