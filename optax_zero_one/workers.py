@@ -96,6 +96,13 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
     Returns:
       A tree like ``params`` (their dtypes).
     """
+    from optax_zero_one.data_parallel import ShardLocalState  # noqa: PLC0415 (a cycle)
+
+    if _graph.nodes_of(opt_state, ShardLocalState):
+        raise ValueError(
+            "opt_state comes from DataParallel.optimizer (one state per model shard): use "
+            "dp.synchronized_params(params, opt_state) instead."
+        )
     found = _graph.nodes_of(opt_state, LocalStepSyncState)
     if not found:
         return params

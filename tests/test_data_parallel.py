@@ -276,6 +276,8 @@ def test_bad_input_is_refused_with_the_fix():
         train(params_w, state, np.zeros((30, 16), np.float32))
     with pytest.raises(ValueError, match="params is not in the worker layout"):
         train(params, state, np.zeros((32, 16), np.float32))
+    with pytest.raises(ValueError, match=r"use dp.synchronized_params"):
+        ozo.synchronized_params(params_w, state)
 
 
 def test_two_processes_train_as_one(tmp_path):
