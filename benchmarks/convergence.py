@@ -182,6 +182,7 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
 # Compiled programs, per configuration without its seed (the seed changes data, not programs),
 # so that a second run of one configuration in the same process does not compile again.
 _PROGRAMS: dict[Any, Any] = {}
+_TRAFFIC: dict[Any, Any] = {}
 
 
 def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, args: Any) -> Any:
@@ -197,7 +198,10 @@ def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, a
             )
         )
         evaluate = evaluate.lower(args[0], args[1], ozo.to_workers(workload.eval_batch, mesh))
-        _PROGRAMS[key] = (spec, step, evaluate.compile(), time.perf_counter() - start, {})
+        # The bytes of each kind depend on the shapes and the kinds, not on the learning rate:
+        # one traffic table per configuration without its rate.
+        traffic = _TRAFFIC.setdefault((dataclasses.replace(key[0], peak_lr=0.0), name), {})
+        _PROGRAMS[key] = (spec, step, evaluate.compile(), time.perf_counter() - start, traffic)
     return _PROGRAMS[key]
 
 

@@ -36,7 +36,8 @@ Protocol, fixed before any run (no seed or run is picked afterwards):
    ``bytes / bandwidth + collectives x latency`` (50 us each), no overlap.
 
 Every finished run is saved at once to ``<out>/<stem>.partial.json``; ``--resume`` reads it and
-runs only what is missing (same settings). At the end it writes ``<stem>.json`` (curves
+runs only what is missing (same settings); after the study, ``--resume`` re-aggregates the runs
+kept in ``<stem>.json`` without training. At the end it writes ``<stem>.json`` (curves
 subsampled: training loss in means over ``train_loss_block`` steps, validation loss every
 ``long_eval_every`` steps), ``.png`` and ``.md``; stem ``convergence_long`` (``--quick``:
 ``convergence_long_quick``).
@@ -190,6 +191,13 @@ def aggregate(study: Study, runs: dict[str, Any]) -> dict[str, Any]:
             "seeds": list(study.seeds),
             "steps": study.long_steps,
             "final_val_loss_per_seed": [float(x) for x in finals],
+            # Where the validation loss was lowest during the run, and the training loss at its
+            # end (mean of the last block): a final loss above the lowest, or far above the
+            # training loss, means the model has begun to fit its training text.
+            "lowest_val_loss_mean": float(np.mean([np.nanmin(r["val"]["loss"]) for r in long])),
+            "final_train_loss_mean": float(
+                np.mean([r["train_loss_block_means"][-1] for r in long])
+            ),
             "final_val_loss_mean": float(finals.mean()),
             "final_val_loss_std": float(finals.std(ddof=1)) if len(finals) > 1 else 0.0,
             "bytes_per_worker": sent.pop(),
@@ -242,6 +250,12 @@ class _Store:
     def __init__(self, path: pathlib.Path, study: Study, resume: bool) -> None:
         self.path, self.settings = path, _settings(study)
         self.runs: dict[str, Any] = {}
+        final = path.with_name(path.name.replace(".partial.json", ".json"))
+        if resume and not path.exists() and final.exists():  # a finished study: re-aggregate
+            saved = json.loads(final.read_text())
+            saved = {"settings": saved["study"], "runs": saved["runs"]}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(saved))
         if resume and path.exists():
             saved = json.loads(path.read_text())
             if saved["settings"] != self.settings:
@@ -327,6 +341,8 @@ def table(result: dict[str, Any]) -> str:
         "sweep: peak LR (final val loss)",
         "best LR",
         "final val loss (mean ± std)",
+        "lowest val loss",
+        "final train loss",
         "gap to AdamW",
         "MB/worker",
         "rounds",
@@ -339,6 +355,8 @@ def table(result: dict[str, Any]) -> str:
             ", ".join(f"{lr} ({_number(v)})" for lr, v in r["sweep_final_val_loss"].items()),
             f"{r['best_lr']:g}",
             f"{_number(r['final_val_loss_mean'])} ± {_number(r['final_val_loss_std'])}",
+            _number(r["lowest_val_loss_mean"]),
+            _number(r["final_train_loss_mean"]),
             "-" if gap is None or name == "adamw" else f"{gap:+.2f}%",
             f"{r['bytes_per_worker'] / 1e6:,.1f}",
             f"{r['rounds']:,}",

@@ -134,6 +134,11 @@ def test_resume_runs_only_what_is_missing(study, tmp_path, monkeypatch):
         again["optimizers"]["adamw"]["final_val_loss_mean"]
         == saved["long/adamw/0"]["final_val_loss"]
     )
+    # a finished study re-aggregates from its JSON, training nothing
+    cl.write(again, tmp_path, "x")
+    assert not partial.exists()
+    again = cl.run(small, tmp_path, "x", resume=True, progress=False)
+    assert set(again["runs"]) == set(saved)
     with pytest.raises(SystemExit, match="other settings"):
         cl.run(STUDY, tmp_path, "x", resume=True, progress=False)
 
