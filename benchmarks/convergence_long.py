@@ -194,12 +194,18 @@ def aggregate(study: Study, runs: dict[str, Any]) -> dict[str, Any]:
             # Where the validation loss was lowest during the run, and the training loss at its
             # end (mean of the last block): a final loss above the lowest, or far above the
             # training loss, means the model has begun to fit its training text.
-            "lowest_val_loss_mean": float(np.mean([np.nanmin(r["val"]["loss"]) for r in long])),
+            "lowest_val_loss_mean": float(
+                np.mean([np.nanmin(np.asarray(r["val"]["loss"], np.float64)) for r in long])
+            ),
             "final_train_loss_mean": float(
                 np.mean([r["train_loss_block_means"][-1] for r in long])
             ),
-            "final_val_loss_mean": float(finals.mean()),
+            "final_val_loss_mean": float(finals.mean()),  # NaN (null) if a seed diverged
             "final_val_loss_std": float(finals.std(ddof=1)) if len(finals) > 1 else 0.0,
+            "diverged_seeds": int(np.sum(~np.isfinite(finals))),
+            "final_val_loss_mean_of_finite": float(np.mean(finals[np.isfinite(finals)]))
+            if np.isfinite(finals).any()
+            else math.nan,
             "bytes_per_worker": sent.pop(),
             "rounds": rounds.pop(),
             "steps_per_kind": long[0]["steps_per_kind"],
@@ -354,7 +360,13 @@ def table(result: dict[str, Any]) -> str:
             name,
             ", ".join(f"{lr} ({_number(v)})" for lr, v in r["sweep_final_val_loss"].items()),
             f"{r['best_lr']:g}",
-            f"{_number(r['final_val_loss_mean'])} ± {_number(r['final_val_loss_std'])}",
+            f"{_number(r['final_val_loss_mean'])} ± {_number(r['final_val_loss_std'])}"
+            + (
+                f" ({r['diverged_seeds']} of {len(r['seeds'])} seeds diverged; the others "
+                f"{_number(r['final_val_loss_mean_of_finite'])})"
+                if r["diverged_seeds"]
+                else ""
+            ),
             _number(r["lowest_val_loss_mean"]),
             _number(r["final_train_loss_mean"]),
             "-" if gap is None or name == "adamw" else f"{gap:+.2f}%",

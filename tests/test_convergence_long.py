@@ -6,31 +6,18 @@ import json
 
 import numpy as np
 import pytest
+from test_convergence import TINY
 
 import optax_zero_one as ozo
 from benchmarks import convergence as cv
 from benchmarks import convergence_long as cl
 
-# The tiny model of test_convergence.py. The sweep and the long runs have one length, so that the
-# long runs reuse the sweep's compiled programs (one per optimizer and learning rate), and the
-# long run of the sweep's seed must repeat the sweep's run at the best learning rate exactly.
-BASE = cv.Config(
-    model=(
-        ("dim", 32),
-        ("layers", 1),
-        ("heads", 2),
-        ("context", 16),
-        ("batch_per_worker", 4),
-        ("eval_windows", 64),
-    ),
-    warmup=0.25,
-    freeze=0.5,
-    local_scaler=0.125,
-    kappa=8,
-    clipper=4,
-)
+# The tiny model and schedule of test_convergence.py. The sweep and the long runs have one
+# length, so that the long runs reuse the sweep's compiled programs (one per optimizer and
+# learning rate), and the long run of the sweep's seed must repeat the sweep's run at the best
+# learning rate exactly.
 STUDY = cl.Study(
-    base=BASE,
+    base=TINY,
     sweep_steps=40,
     long_steps=40,
     lrs=(1e-3, 3e-3),

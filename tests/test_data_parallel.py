@@ -6,7 +6,11 @@ carries only the model's own collectives, model-sharded leaves (and their state)
 and training follows the 1-D run of the same model; clear errors for bad input.
 """
 
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +20,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support.jobs.data_parallel_worker import SPECS, STEPS, host_params, loss_fn, make_tx
+from support.jobs import data_parallel_worker as job
+from support.jobs.data_parallel_worker import SPECS, STEPS, batches, host_params, loss_fn, make_tx
 
 import optax_zero_one as ozo
 
@@ -24,56 +29,25 @@ AUTO = jax.sharding.AxisType.Auto
 N = 4
 
 
-def batches(steps, seed=1):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((32, 16)).astype(np.float32) for _ in range(steps)]
-
-
 def mesh_of(model):
-    return jax.make_mesh((N, model), ("data", "model"), axis_types=(AUTO, AUTO))
+    return job.job_mesh(model)
 
 
 def train_with_helper(mesh, steps=STEPS):
-    specs = SPECS if mesh.shape["model"] > 1 else jax.tree.map(lambda _: P(), SPECS)
-    params = jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), host_params(), specs
-    )
-    dp = ozo.data_parallel(mesh, params)
-    tx = dp.optimizer(make_tx())
-
-    def step(p, s, x):
-        loss, g = jax.value_and_grad(loss_fn)(p, x)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    params_w = dp.to_workers(params)
-    state = dp.init(tx, params_w)
-    train = dp.jit(step)
-    losses = []
-    for x in batches(steps):
-        params_w, state, loss = jax.block_until_ready(train(params_w, state, x))
-        losses.append(float(np.mean(np.asarray(loss))))
-    return dp, tx, params_w, state, losses, train
+    run = job.train(mesh, steps)
+    return run["dp"], run["tx"], run["params_w"], run["state"], run["losses"], run["step"]
 
 
 def test_one_d_mesh_is_bitwise_the_explicit_shard_map_loop():
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
-    params = host_params()
-    dp = ozo.data_parallel(mesh, params)
-    tx = dp.optimizer(make_tx())
+    dp, tx, step, params = job.setup(mesh)
     assert not dp.model_sharded
-
-    def step(p, s, x):
-        loss, g = jax.value_and_grad(loss_fn)(p, x)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
     params_w = dp.to_workers(params)
     state = dp.init(tx, params_w)
     train = dp.jit(step)
     # today's explicit loop: ozo.on_workers over a 1-D worker mesh, batch split by hand
     ref_mesh = ozo.worker_mesh("data", N)
-    ref_p = ozo.to_workers(ozo.replicate(params, N), ref_mesh)
+    ref_p = ozo.to_workers(ozo.replicate(host_params(), N), ref_mesh)
     ref_s = jax.jit(ozo.on_workers(make_tx().init, ref_mesh))(ref_p)
     ref_step = jax.jit(ozo.on_workers(step, ref_mesh))
     for x in batches(STEPS):
@@ -285,13 +259,6 @@ def test_two_processes_train_as_one(tmp_path):
     and converted per process) and on this process's 8 devices: the same losses and
     evaluation params up to the float all-reduce's summation order, identical on both
     processes."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    from support.jobs import data_parallel_worker as job
-
     tests = pathlib.Path(__file__).resolve().parent
     launch = ["-m", "optax_zero_one.launch", "--processes", "2", "--devices-per-process", "4"]
     proc = subprocess.Popen(
@@ -303,7 +270,8 @@ def test_two_processes_train_as_one(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    losses, evaluated = job.train()  # meanwhile, the single-process reference
+    reference = job.train(job.job_mesh())  # meanwhile, the single-process reference
+    losses, evaluated = np.asarray(reference["losses"]), job.evaluation(reference)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-5000:]
     parts = [dict(np.load(tmp_path / f"p{r}.npz")) for r in range(2)]

@@ -62,13 +62,28 @@ def loss_fn(p: dict, x: jax.Array) -> jax.Array:
     return jnp.mean((h @ p["w2"] + p["b"] - jnp.sin(x[:, :4])) ** 2)
 
 
-def train() -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Losses of every step and the evaluation params, on this job's 8 devices."""
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+def batches(steps: int = STEPS) -> list[np.ndarray]:
+    """The global batches, the same in every process."""
+    rng = np.random.default_rng(1)
+    return [rng.standard_normal((32, 16)).astype(np.float32) for _ in range(steps)]
+
+
+def job_mesh(model: int = 2) -> jax.sharding.Mesh:
+    """``("data"=4, "model")`` over the job's devices, in process order."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[: 4 * model]
     auto = (jax.sharding.AxisType.Auto,) * 2
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto, devices=devices)
+    return jax.make_mesh((4, model), ("data", "model"), axis_types=auto, devices=devices)
+
+
+def setup(mesh: jax.sharding.Mesh) -> tuple:
+    """``(dp, tx, step, params)``: the params placed as a multi-host jit user places them
+    (sharded as ``SPECS`` says over the mesh's axes), the helper, its optimizer and the step."""
+
+    def spec(name: str) -> P:
+        return SPECS[name] if "model" in mesh.axis_names else P()
+
     params = {
-        k: jax.make_array_from_callback(x.shape, NamedSharding(mesh, SPECS[k]), lambda i, x=x: x[i])
+        k: jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec(k)), lambda i, x=x: x[i])
         for k, x in host_params().items()
     }
     dp = ozo.data_parallel(mesh, params)
@@ -79,19 +94,29 @@ def train() -> tuple[np.ndarray, dict[str, np.ndarray]]:
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
+    return dp, tx, step, params
+
+
+def train(mesh: jax.sharding.Mesh, steps: int = STEPS) -> dict:
+    """Trains ``steps`` steps; returns the helper, the final params, state and compiled step,
+    and the mean loss over the data workers of every step."""
+    dp, tx, step, params = setup(mesh)
     params_w = dp.to_workers(params)
     state = dp.init(tx, params_w)
     train_step = dp.jit(step)
-    rng = np.random.default_rng(1)
     losses = []
-    for _ in range(STEPS):
-        x = rng.standard_normal((32, 16)).astype(np.float32)  # the same global batch everywhere
+    mean = jax.jit(jnp.mean, out_shardings=NamedSharding(mesh, P()))  # readable everywhere
+    for x in batches(steps):
         params_w, state, loss = jax.block_until_ready(train_step(params_w, state, x))
-        everywhere = jax.jit(jnp.mean, out_shardings=NamedSharding(mesh, P()))(loss)
-        losses.append(float(np.asarray(everywhere.addressable_data(0))))
-    evaluated = dp.synchronized_params(params_w, state)
-    replicated = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(evaluated)
-    return np.asarray(losses), {k: np.asarray(v.addressable_data(0)) for k, v in replicated.items()}
+        losses.append(float(np.asarray(mean(loss).addressable_data(0))))
+    return dict(dp=dp, tx=tx, params_w=params_w, state=state, losses=losses, step=train_step)
+
+
+def evaluation(run: dict) -> dict[str, np.ndarray]:
+    """The evaluation params (``dp.synchronized_params``), gathered to every process."""
+    evaluated = run["dp"].synchronized_params(run["params_w"], run["state"])
+    replicated = jax.jit(lambda t: t, out_shardings=NamedSharding(run["dp"].mesh, P()))(evaluated)
+    return {k: np.asarray(v.addressable_data(0)) for k, v in replicated.items()}
 
 
 def main() -> None:
@@ -99,9 +124,9 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args()
     job = ozo.initialize_from_env()
-    losses, evaluated = train()
+    run = train(job_mesh())
     args.out.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out / f"p{job.process_id}.npz", losses=losses, **evaluated)
+    np.savez(args.out / f"p{job.process_id}.npz", losses=run["losses"], **evaluation(run))
 
 
 if __name__ == "__main__":
