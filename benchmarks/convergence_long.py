@@ -412,10 +412,13 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
         steps = np.asarray(curves[0]["step"])
         loss = np.asarray([c["loss"] for c in curves], np.float64)
         color = line.get_color()
-        step_ax.plot(steps, loss.mean(0), color=color, label=name)
+        finite = np.isfinite(loss).all(1)  # seeds that did not diverge
+        label = name if finite.all() else f"{name} ({(~finite).sum()} seed(s) diverged)"
+        loss = loss[finite] if finite.any() else loss
+        step_ax.plot(steps, loss.mean(0), color=color, label=label)
         step_ax.fill_between(steps, loss.min(0), loss.max(0), color=color, alpha=0.2)
         mb = np.asarray(curves[0]["bytes"]) / 1e6
-        bytes_ax.plot(mb[1:], loss.mean(0)[1:], color=color, label=name)
+        bytes_ax.plot(mb[1:], loss.mean(0)[1:], color=color, label=label)
     sweep_ax.set(
         xscale="log", xlabel="peak learning rate", ylabel="final validation loss",
         title=f"sweep: {study['sweep_steps']:,} steps, seed {study['sweep_seed']}",
@@ -431,7 +434,11 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     for ax in (sweep_ax, step_ax, bytes_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    low = min(r["final_val_loss_mean"] for r in result["optimizers"].values())
+    low = min(
+        r["lowest_val_loss_mean"]
+        for r in result["optimizers"].values()
+        if r.get("lowest_val_loss_mean") is not None
+    )
     for ax in (step_ax, bytes_ax):
         ax.set_ylim(low - 0.1, low + 1.0)
     fig.suptitle(f"{result['num_workers']} workers: {result['workload'].split(';')[0]}", fontsize=9)
