@@ -187,16 +187,6 @@ class DataParallel:
         # differently from the params the specs came from (e.g. Flax NNX's State of Params).
         specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, P))
 
-        def nested(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
-            return jax.shard_map(
-                fn,
-                mesh=jax.sharding.get_abstract_mesh(),
-                in_specs=in_specs,
-                out_specs=out_specs,
-                axis_names=set(self.other_axes),
-                check_vma=False,
-            )
-
         def leaves(tree: Any, what: str) -> tuple[list, Any]:
             values, treedef = jax.tree.flatten(tree)
             if len(values) != len(specs):
@@ -209,7 +199,7 @@ class DataParallel:
         def init_fn(params: Any) -> ShardLocalState:
             values, treedef = leaves(params, "params")
             init = lambda p: _stack(tx.init(jax.tree.unflatten(treedef, p)))  # noqa: E731
-            return ShardLocalState(nested(init, (specs,), stack)(values))
+            return ShardLocalState(self._per_shard(init, (specs,), stack)(values))
 
         def update_fn(
             updates: Any, state: ShardLocalState, params: Any = None, **extra: Any
@@ -227,10 +217,22 @@ class DataParallel:
             args, in_specs = (values, dynamic), (specs, stack)
             if params is not None:
                 args, in_specs = (*args, jax.tree.leaves(params)), (*in_specs, specs)
-            out, inner = nested(local, in_specs, (specs, stack))(*args)
+            out, inner = self._per_shard(local, in_specs, (specs, stack))(*args)
             return jax.tree.unflatten(treedef, out), ShardLocalState(inner)
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+    def _per_shard(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
+        """``fn`` inside the step, manual over the other axes too: it sees each device's shard.
+        (Replicated leaves are identical on every shard by construction, hence no check_vma.)"""
+        return jax.shard_map(
+            fn,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=set(self.other_axes),
+            check_vma=False,
+        )
 
     def init(self, tx: optax.GradientTransformation, params: Any) -> Any:
         """The optimizer state of ``params`` (worker layout), in the worker layout."""
@@ -318,14 +320,7 @@ class DataParallel:
                 inner = _join_static(static, jax.tree.map(lambda x: x[0], d))
                 return workers.synchronized_params(p, inner)
 
-            return jax.shard_map(
-                local,
-                mesh=jax.sharding.get_abstract_mesh(),
-                in_specs=(specs, stack),
-                out_specs=specs,
-                axis_names=set(self.other_axes),
-                check_vma=False,
-            )(p, dynamic)
+            return self._per_shard(local, (specs, stack), specs)(p, dynamic)
 
         shardings = jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
