@@ -102,13 +102,13 @@ def loss_fn(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def data_bytes(dp, step, kinds, args):
+def data_bytes(dp, step, kinds, policies, args):
     """Bytes one device sends over the data axis in a step of each kind taken: the whole step
     compiled with its counters pinned to that kind, read with ``ozo.comm_stats``."""
-    variance, local = kinds["policies"]
+    variance, local = policies
     out = {}
     for name in ("variance", "compressed", "sync"):
-        taken = np.flatnonzero(kinds["kinds"] == ozo.STEP_KINDS.index(name))
+        taken = np.flatnonzero(kinds == ozo.STEP_KINDS.index(name))
         if not len(taken):
             out[name] = 0.0
             continue
@@ -204,9 +204,7 @@ def main(argv=None):
         ozo.LocalStepDoubling(schedule["local_step_scaler"], schedule["local_step_clipper"]),
     )
     kinds = ozo.step_kinds(*policies, steps)
-    per_kind = data_bytes(
-        dp, step, {"kinds": kinds, "policies": policies}, (params_w, opt_state, batch)
-    )
+    per_kind = data_bytes(dp, step, kinds, policies, (params_w, opt_state, batch))
     sent = sum(per_kind[name] * np.sum(kinds == ozo.STEP_KINDS.index(name)) for name in per_kind)
     local_numel = device_bytes(params) // 4
     pmean = steps * 2 * 4 * local_numel * (n_data - 1) / n_data  # float32 ring all-reduce

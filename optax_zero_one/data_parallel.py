@@ -97,11 +97,10 @@ class DataParallel:
 
     # ------------------------------------------------------------------ layouts
 
-    def worker_specs(self, specs: Any = None) -> Any:
-        """The worker layout's specs: ``P(data, *spec)`` for each leaf's ``spec``."""
-        specs = self.param_specs if specs is None else specs
+    def _shardings(self, specs: Any) -> Any:
+        """``NamedSharding``\\ s on the mesh for a tree of specs."""
         return jax.tree.map(
-            lambda s: P(self.data_axis, *s), specs, is_leaf=lambda x: isinstance(x, P)
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
 
     def to_workers(self, tree: Any, specs: Any = None) -> Any:
@@ -119,7 +118,7 @@ class DataParallel:
         def one(x: Any, spec: P) -> jax.Array:
             sharding = NamedSharding(self.mesh, spec)
             if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)):
-                x = _place(np.asarray(x) if not isinstance(x, jax.Array) else x, sharding)
+                x = _place(x, sharding)
             target = NamedSharding(self.mesh, P(self.data_axis, *spec))
             blocks = {s.device: s.data for s in x.addressable_shards}
             return jax.make_array_from_single_device_arrays(
@@ -139,9 +138,7 @@ class DataParallel:
         process."""
         specs = self.param_specs if specs is None else specs
         self.check_worker_layout(tree, "the tree")
-        shardings = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-        )
+        shardings = self._shardings(specs)
         return jax.jit(lambda t: jax.tree.map(lambda x: x[worker], t), out_shardings=shardings)(
             tree
         )
@@ -322,9 +319,7 @@ class DataParallel:
 
             return self._per_shard(local, (specs, stack), specs)(p, dynamic)
 
-        shardings = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-        )
+        shardings = self._shardings(specs)
         return jax.jit(
             lambda p, s: jax.tree.map(lambda x: x[0], self.on_workers(one)(p, s)),
             out_shardings=shardings,
