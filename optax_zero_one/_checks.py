@@ -63,8 +63,42 @@ def check_axis_name(axis_name: Any) -> None:
         )
 
 
-def axis_size(axis_name: str | None) -> int:
-    """Number of workers on ``axis_name`` (``1`` for ``None``), with a clear error if unbound."""
+Axes = str | tuple[str, str] | None
+"""The workers as the transforms see them: one axis, ``(slow, fast)`` for a hierarchy (the mean
+over ``fast`` is exact, only ``slow`` compresses: ``docs/hierarchical.md``), or ``None``."""
+
+
+def worker_axes(axis_name: str | None, fast_axis_name: str | None) -> Axes:
+    """The transforms' :data:`Axes` from the public arguments, checked."""
+    check_axis_name(axis_name)
+    if fast_axis_name is None:
+        return axis_name
+    if not isinstance(fast_axis_name, str):
+        raise ValueError(
+            f"fast_axis_name must be the name (a str) of the mesh axis inside a node, or None; "
+            f"got {fast_axis_name!r}."
+        )
+    if axis_name is None:
+        raise ValueError(
+            f"fast_axis_name={fast_axis_name!r} needs axis_name, the axis across nodes that the "
+            "compressed mean runs over. For one node pass axis_name naming a node axis of size "
+            "1, or use the fast axis alone as axis_name."
+        )
+    if fast_axis_name == axis_name:
+        raise ValueError(
+            f"axis_name and fast_axis_name must be two different mesh axes, both are {axis_name!r}."
+        )
+    return (axis_name, fast_axis_name)
+
+
+def split_axes(axes: Axes) -> tuple[str | None, str | None]:
+    """``(slow, fast)`` of :data:`Axes` (``fast`` is ``None`` without a hierarchy)."""
+    return (axes[0], axes[1]) if isinstance(axes, tuple) else (axes, None)
+
+
+def axis_size(axis_name: Axes) -> int:
+    """Number of workers on ``axis_name`` (``1`` for ``None``; the product of the sizes of a
+    ``(slow, fast)`` pair), with a clear error if unbound."""
     if axis_name is None:
         return 1
     try:
@@ -77,11 +111,53 @@ def axis_size(axis_name: str | None) -> int:
         ) from err
 
 
-def resolve_num_workers(axis_name: str | None, num_workers: int | None) -> int:
-    """The worker count: the bound axis size, else ``num_workers`` (which must agree)."""
-    if num_workers is not None and (
-        isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
-    ):
+def fast_size(axes: Axes, num_workers: Any = None) -> int:
+    """``L``, the workers inside a node (1 without a hierarchy): the bound size of the fast
+    axis, else the second entry of ``num_workers``."""
+    if not isinstance(axes, tuple):
+        return 1
+    try:
+        return jax.lax.axis_size(axes[1])
+    except NameError:
+        resolve_num_workers(axes, num_workers)  # raises the unbound-axis error if None
+        return int(num_workers[1])
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
+    """The worker count: the bound axis size, else ``num_workers`` (which must agree).
+
+    For a ``(slow, fast)`` pair ``num_workers`` is ``(nodes, workers per node)`` and the count
+    is their product."""
+    if isinstance(axis_name, tuple):
+        pair = (
+            isinstance(num_workers, tuple | list)
+            and len(num_workers) == 2
+            and all(_positive_int(v) for v in num_workers)
+        )
+        if num_workers is not None and not pair:
+            raise ValueError(
+                f"With fast_axis_name, num_workers must be None or a pair (nodes, workers per "
+                f"node), e.g. (2, 4); got {num_workers!r}."
+            )
+        if pair:
+            num_workers = tuple(int(v) for v in num_workers)
+            for name, count in zip(axis_name, num_workers):
+                try:
+                    bound = jax.lax.axis_size(name)
+                except NameError:
+                    continue
+                if bound != count:
+                    raise ValueError(
+                        f"num_workers={num_workers} but axis {name!r} has {bound} workers; "
+                        "they must agree (or leave num_workers=None)."
+                    )
+            return num_workers[0] * num_workers[1]
+        num_workers = None
+    elif num_workers is not None and not _positive_int(num_workers):
         raise ValueError(f"num_workers must be a positive int or None, got {num_workers!r}.")
     if axis_name is None:
         if num_workers not in (None, 1):
@@ -94,11 +170,13 @@ def resolve_num_workers(axis_name: str | None, num_workers: int | None) -> int:
         bound = jax.lax.axis_size(axis_name)
     except NameError:
         if num_workers is None:
+            count = "(nodes, workers per node)" if isinstance(axis_name, tuple) else "N"
             raise ValueError(
                 f"init was called outside a context that binds axis_name={axis_name!r}, so the "
                 "number of workers is unknown. Either call init inside jax.shard_map / "
-                "jax.pmap / jax.vmap(axis_name=...), or pass num_workers=N (then replicate "
-                "the state over the workers yourself, e.g. with optax_zero_one.replicate)."
+                f"jax.pmap / jax.vmap(axis_name=...), or pass num_workers={count} (then "
+                "replicate the state over the workers yourself, e.g. with "
+                "optax_zero_one.replicate)."
             ) from None
         return num_workers
     if num_workers is not None and num_workers != bound:

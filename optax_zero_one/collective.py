@@ -54,11 +54,34 @@ def _server_width(layout: Layout, collective: str) -> int:
     return 0 if collective == "psum" else layout.width
 
 
+def check_hierarchy(fast_axis_name: str | None, collective: str) -> None:
+    """Raises ``ValueError`` if ``collective`` cannot run under a fast axis (only the two-phase
+    backend has a hierarchical form)."""
+    if fast_axis_name is not None and collective != "two_phase":
+        raise ValueError(
+            f"fast_axis_name={fast_axis_name!r} works with collective='two_phase' only, got "
+            f"collective={collective!r}. Use the default collective, or drop fast_axis_name to "
+            "compress over every worker."
+        )
+
+
 def init_errors(
-    layout: Layout, collective: str = "two_phase", dtype: Any = jnp.float32
+    layout: Layout, collective: str = "two_phase", dtype: Any = jnp.float32, fast: int = 1
 ) -> OnebitMeanState:
-    """Zero error buffers for ``layout`` (zero-size when ``N == 1``)."""
+    """Zero error buffers for ``layout`` (zero-size when ``N == 1``).
+
+    With ``fast = L > 1`` workers per node (a hierarchy, ``docs/hierarchical.md``) only the
+    ``S = N / L`` nodes compress: a plain ``(S, C)`` worker error for this worker's share and a
+    ``(C,)`` server error (both zero-size with one node).
+    """
     check_collective(collective)
+    if fast > 1:
+        nodes = layout.num_workers // fast
+        if nodes == 1:
+            return OnebitMeanState(jnp.zeros((0,), dtype), jnp.zeros((0,), dtype))
+        return OnebitMeanState(
+            jnp.zeros((nodes, layout.width), dtype), jnp.zeros((layout.width,), dtype)
+        )
     if layout.num_workers == 1:
         return OnebitMeanState(jnp.zeros((0,), dtype), jnp.zeros((0,), dtype))
     if collective == "psum":
@@ -67,10 +90,32 @@ def init_errors(
     return OnebitMeanState(flat.zeros(layout, dtype), jnp.zeros((server,), dtype))
 
 
-def _check_errors(layout: Layout, errors: OnebitMeanState, collective: str) -> None:
+def init_state(
+    params: Any, axes: _checks.Axes, num_workers: Any, collective: str
+) -> OnebitMeanState:
+    """The zero error buffers for ``params`` (a tree or a flat buffer) on the workers of
+    ``axes``, as a transform's ``init`` makes them."""
+    workers = _checks.resolve_num_workers(axes, num_workers)
+    fast = _checks.fast_size(axes, num_workers)
+    return init_errors(flat.layout_of(params, workers), collective, fast=fast)
+
+
+def _check_errors(layout: Layout, errors: OnebitMeanState, collective: str, fast: int) -> None:
     stored = flat.find_layout(errors)
     if stored is not None:
         layout.check(stored, "The compression state")
+    if fast > 1:
+        nodes = layout.num_workers // fast
+        want = [(0,), (0,)] if nodes == 1 else [(nodes, layout.width), (layout.width,)]
+        fits = stored is None and [np.shape(e) for e in errors] == want
+        if not fits:
+            raise ValueError(
+                f"The compression state does not fit {nodes} nodes x {fast} workers per node "
+                f"(shapes {[np.shape(e) for e in errors]}, expected {want}). It was initialised "
+                "for another split of the workers (or without fast_axis_name); re-initialise "
+                "it, or restore a checkpoint made with the same axes."
+            )
+        return
     if layout.num_workers == 1:
         fits = stored is None and np.size(errors.worker_error) == 0
     else:
@@ -86,7 +131,7 @@ def _check_errors(layout: Layout, errors: OnebitMeanState, collective: str) -> N
 
 
 def compressed_mean(
-    x: FlatTree, errors: OnebitMeanState, axis_name: str | None, collective: str = "two_phase"
+    x: FlatTree, errors: OnebitMeanState, axis_name: _checks.Axes, collective: str = "two_phase"
 ) -> tuple[FlatTree, OnebitMeanState, jax.Array]:
     """The 1-bit compressed mean of ``x`` over ``axis_name``, with error feedback.
 
@@ -97,7 +142,9 @@ def compressed_mean(
     Args:
       x: this worker's values, zero in the padding of its layout.
       errors: the error buffers, as made by :func:`init_errors` for this layout.
-      axis_name: the worker axis, or ``None`` for one worker (the identity).
+      axis_name: the worker axis, or ``None`` for one worker (the identity), or a pair
+        ``(slow, fast)``: the exact mean over ``fast``, compressed only over ``slow``
+        (``docs/hierarchical.md``; two-phase backend only).
       collective: the backend, ``"two_phase"`` or ``"psum"`` (see :func:`onebit_mean`).
 
     Returns:
@@ -108,6 +155,8 @@ def compressed_mean(
     check_collective(collective)
     layout = x.layout
     workers = _checks.axis_size(axis_name)
+    slow, fast = _checks.split_axes(axis_name)
+    check_hierarchy(fast, collective)
     if collective == "psum":
         psum_mean.check_num_workers(workers)
     if layout.num_workers != workers:
@@ -115,7 +164,14 @@ def compressed_mean(
             f"The values are laid out for {layout.num_workers} workers, but axis "
             f"{axis_name!r} has {workers}."
         )
-    _check_errors(layout, errors, collective)
+    local = _checks.fast_size(axis_name)
+    _check_errors(layout, errors, collective, local)
+    if local > 1:
+        if layout.width == 0:
+            return x, errors, jnp.ones([], bool)
+        mean, errors, finite = _hierarchical(x.buffer, errors, layout, slow, fast)
+        return FlatTree(mean, layout), errors, finite
+    axis_name = slow  # a fast axis of size 1 is the flat mean over the slow one
     if layout.num_workers == 1:
         return x, errors, _graph.all_finite(x.buffer)
     if layout.width == 0:
@@ -143,12 +199,46 @@ def compressed_mean(
 def _two_phase(
     x: jax.Array, worker_error: jax.Array, server_error: jax.Array, layout: Layout, axis: str
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    n, width = layout.num_workers, layout.width
+    gathered, worker_error, server_error = _serve(x, worker_error, server_error, layout, axis)
+    mean, finite = _decode(gathered, layout, x)
+    return mean, worker_error, server_error, finite
+
+
+def _hierarchical(
+    x: jax.Array, errors: OnebitMeanState, layout: Layout, slow: str, fast: str
+) -> tuple[jax.Array, OnebitMeanState, jax.Array]:
+    """The exact mean over ``fast``, 1-bit compressed over ``slow`` (``docs/hierarchical.md``).
+
+    A reduce-scatter over the node leaves worker ``l`` of a node with rows ``l S .. l S + S - 1``
+    of the node's mean (its share, 1/L of every leaf); the two-phase mean of the shares runs
+    over ``slow``; an all-gather over ``fast`` of the servers' packed replies (not of the decoded
+    floats: the same values for 1/32 of the bytes) lets every worker decode the whole mean.
+    """
+    local = lax.axis_size(fast)
+    share = lax.psum_scatter(x, fast, scatter_dimension=0, tiled=True) / local
+    if share.shape[0] == 1:  # one node: the exact mean, nothing compressed
+        mean = lax.all_gather(share, fast, axis=0, tiled=True)
+        return _graph.vary_over(mean, _graph.varying_axes(x)), errors, _graph.all_finite(mean)
+    gathered, worker_error, server_error = _serve(
+        share, errors.worker_error, errors.server_error, layout, slow
+    )
+    gathered = lax.all_gather(gathered, fast, axis=0, tiled=True)  # row l S + j: share l, node j
+    mean, finite = _decode(gathered, layout, x)
+    return mean, OnebitMeanState(worker_error, server_error), finite
+
+
+def _serve(
+    x: jax.Array, worker_error: jax.Array, server_error: jax.Array, layout: Layout, axis: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Phase 1 and the server stage over ``axis`` for ``x`` of ``n`` rows (the whole buffer, or
+    a node's share): every server's packed chunk and scales, gathered ``(n, C/8 + 4L)``, and the
+    new worker and server errors."""
+    n, width = x.shape[0], layout.width
     in_chunk = layout.in_chunk()
 
     # Phase 1: compress locally; row j (chunk j of every leaf) and all scales go to worker j.
     signs, scales, worker_error = compression.compress(
-        x + worker_error, layout, layout.padded, in_chunk
+        x + worker_error, layout, n * layout.chunks, in_chunk
     )
     scale_bytes = compression.scales_to_bytes(scales)
     payload = jnp.concatenate(
@@ -168,26 +258,44 @@ def _two_phase(
         [compression.pack_signs(signs2[0]), compression.scales_to_bytes(scales2)]
     )
 
-    # Phase 2: every worker gathers every server's chunk and decodes the whole mean.
-    gathered = lax.all_gather(reply, axis, axis=0, tiled=False)  # (N, C/8 + 4L)
+    # Phase 2: every worker gathers every server's chunk.
+    gathered = lax.all_gather(reply, axis, axis=0, tiled=False)  # (n, C/8 + 4L)
+    return gathered, worker_error, server_error[0]
+
+
+def _decode(gathered: jax.Array, layout: Layout, like: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The whole mean from every server's packed reply (``(N, C/8 + 4L)``), zero in the
+    padding, typed like ``like``; and whether every scale is finite."""
+    width = layout.width
     server_scales = compression.bytes_to_scales(gathered[:, width // 8 :])  # (N, L)
-    decoded = layout.per_column(server_scales.astype(x.dtype)) * compression.unpack_signs(
-        gathered[:, : width // 8], x.dtype
+    decoded = layout.per_column(server_scales.astype(like.dtype)) * compression.unpack_signs(
+        gathered[:, : width // 8], like.dtype
     )
     element = layout.is_element()
     mean = decoded if element is True else jnp.where(element, decoded, 0)
-    mean = _graph.vary_over(mean, _graph.varying_axes(x))
-    return mean, worker_error, server_error[0], jnp.all(jnp.isfinite(server_scales))
+    mean = _graph.vary_over(mean, _graph.varying_axes(like))
+    return mean, jnp.all(jnp.isfinite(server_scales))
 
 
-def float_mean(x: Any, axis_name: str | None) -> Any:
+def float_mean(x: Any, axis_name: _checks.Axes) -> Any:
     """Full-precision mean of ``x`` (a tree or a flat buffer) over ``axis_name``: one fused
-    all-reduce; leaves in float32 (or wider, if a leaf is wider)."""
+    all-reduce; leaves in float32 (or wider, if a leaf is wider).
+
+    Over a ``(slow, fast)`` pair a :class:`~optax_zero_one.flat.FlatTree` goes hierarchically:
+    a reduce-scatter over ``fast``, an all-reduce of the 1/L share over ``slow``, an all-gather
+    over ``fast``, so that the slow links carry 1/L of the buffer. Other trees take one
+    all-reduce over both axes."""
     wide = jax.tree.map(lambda v: v.astype(jnp.promote_types(v.dtype, jnp.float32)), x)
     if axis_name is None:
         return wide
-    _checks.axis_size(axis_name)
-    mean = lax.pmean(wide, axis_name)
+    workers = _checks.axis_size(axis_name)
+    slow, fast = _checks.split_axes(axis_name)
+    if isinstance(wide, FlatTree) and fast is not None and lax.axis_size(fast) > 1:
+        share = lax.psum_scatter(wide.buffer, fast, scatter_dimension=0, tiled=True)
+        total = lax.all_gather(lax.psum(share, slow), fast, axis=0, tiled=True)
+        mean = FlatTree(total / workers, wide.layout)
+    else:
+        mean = lax.pmean(wide, slow if fast is None or lax.axis_size(fast) == 1 else axis_name)
     return jax.tree.map(lambda m, v: _graph.vary_over(m, _graph.varying_axes(v)), mean, wide)
 
 
@@ -210,7 +318,7 @@ def apply_mask(mask: jax.Array | None, x: FlatTree) -> FlatTree:
 
 
 def masked_compressed_mean(
-    values: FlatTree, errors: OnebitMeanState, axis_name: str | None, collective: str, mask: Any
+    values: FlatTree, errors: OnebitMeanState, axis_name: _checks.Axes, collective: str, mask: Any
 ) -> tuple[FlatTree, OnebitMeanState, jax.Array]:
     """:func:`compressed_mean` as the transforms use it: error buffers zeroed if the mean is not
     finite (a step skipped together), then the mask applied. Returns ``(mean, errors, finite)``."""
@@ -222,9 +330,11 @@ def masked_compressed_mean(
 
 def onebit_mean(
     axis_name: str | None,
-    num_workers: int | None = None,
+    num_workers: int | tuple[int, int] | None = None,
     collective: str = "two_phase",
     mask: Any = None,
+    *,
+    fast_axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""1-bit compressed mean over a named axis, with error feedback.
 
@@ -260,6 +370,11 @@ def onebit_mean(
         or ``"psum"`` (one integer all-reduce of sign counts under a shared scale).
       mask: optional tree of 0/1 like the input (a scalar or an array per leaf) that multiplies
         the mean, e.g. to keep rows that no gradient reaches at zero.
+      fast_axis_name: a second worker axis, inside a node (fast links). Then ``axis_name`` is
+        the axis across nodes and the mean is hierarchical: exact over ``fast_axis_name``
+        (a float reduce-scatter), 1-bit only over ``axis_name`` on each worker's 1/L share,
+        and an all-gather over ``fast_axis_name`` (``docs/hierarchical.md``). ``num_workers``
+        is then a pair ``(nodes, workers per node)``. Two-phase backend only.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`OnebitMeanState`.
@@ -276,27 +391,27 @@ def onebit_mean(
     References:
       Tang et al., 1-bit Adam, arXiv:2102.02888; Lu et al., 0/1 Adam, arXiv:2202.06009.
     """
-    _checks.check_axis_name(axis_name)
+    axes = _checks.worker_axes(axis_name, fast_axis_name)
     check_collective(collective)
+    check_hierarchy(fast_axis_name, collective)
 
     def init_fn(params: optax.Params) -> OnebitMeanState:
         _checks.check_float_leaves(params, "onebit_mean input")
         _checks.check_mask(mask, params.shapes() if isinstance(params, FlatTree) else params)
-        workers = _checks.resolve_num_workers(axis_name, num_workers)
-        state = init_errors(flat.layout_of(params, workers), collective)
-        return _graph.worker_state(state, axis_name)
+        state = init_state(params, axes, num_workers, collective)
+        return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: OnebitMeanState, params: Any, **extra_args: Any) -> Any:
         del params, extra_args
-        workers = _checks.axis_size(axis_name)
+        workers = _checks.axis_size(axes)
         if num_workers is not None:
-            _checks.resolve_num_workers(axis_name, num_workers)
+            _checks.resolve_num_workers(axes, num_workers)
         _checks.check_float_leaves(updates, "the compressed mean's input")
         stored = flat.find_layout(state)
         if stored is not None and not isinstance(updates, FlatTree):
             stored.check_tree(updates, "updates", "the compression state")
         values, in_form = flat.as_flat(updates, workers)
-        mean, state, _ = masked_compressed_mean(values, state, axis_name, collective, mask)
+        mean, state, _ = masked_compressed_mean(values, state, axes, collective, mask)
         return in_form(mean), state
 
     return _checks.transformation(init_fn, update_fn, OnebitMeanState, "onebit_mean")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 _KINDS = (
     "all-reduce",
@@ -75,6 +76,8 @@ class Collective:
         trip count).
       conditional: whether it sits in a ``conditional`` branch (runs only when taken).
       name: the instruction's name in the HLO.
+      groups: the device groups (partition ids), when the HLO names them; ``None`` when the
+        group is every device of the program.
     """
 
     kind: str
@@ -85,6 +88,18 @@ class Collective:
     executions: int | None
     conditional: bool
     name: str
+    groups: tuple[tuple[int, ...], ...] | None = None
+
+    def mesh_axes(self, mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+        """The axes of ``mesh`` this collective runs over: those along which the members of its
+        first group differ (partition ``p`` is ``mesh.devices.flat[p]``); every axis of size
+        above one when the group is the whole program."""
+        shape = mesh.devices.shape
+        if not self.groups:
+            return tuple(a for a, n in zip(mesh.axis_names, shape) if n > 1)
+        coords = np.array(np.unravel_index(np.asarray(self.groups[0]), shape))
+        varies = (coords != coords[:, :1]).any(axis=1)
+        return tuple(a for a, v in zip(mesh.axis_names, varies) if v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +126,15 @@ class CommStats:
     def payload_bytes(self) -> int:
         """Operand bytes of all collectives per call on one device."""
         return sum(c.payload_bytes * (c.executions or 0) for c in self.collectives)
+
+    def sent_bytes_by_axes(self, mesh: jax.sharding.Mesh) -> dict[tuple[str, ...], float]:
+        """Bytes one device sends per call, per tuple of mesh axes the collectives run over
+        (e.g. ``{("node",): ..., ("local",): ...}`` for a hierarchical mean)."""
+        out: dict[tuple[str, ...], float] = {}
+        for c in self.collectives:
+            axes = c.mesh_axes(mesh)
+            out[axes] = out.get(axes, 0.0) + c.sent_bytes * (c.executions or 0)
+        return out
 
     def table(self) -> str:
         """A readable one-line-per-collective table."""
@@ -174,6 +198,23 @@ def _operands(rest: str) -> tuple[str, list[str], str]:
         depth -= ch in ")}]"
         current += ch
     return opcode.strip(), names, attrs
+
+
+def _groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
+    """The replica groups of a collective's attributes (explicit or iota form), or ``None``."""
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if iota:
+        count, size = int(iota.group(1)), int(iota.group(2))
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+        return tuple(tuple(int(i) for i in g) for g in ids.reshape(count, size))
+    explicit = re.search(r"replica_groups=\{(\{[\d,{}\s]*\})\}", attrs)
+    if explicit:
+        found = re.findall(r"\{([\d,\s]+)\}", explicit.group(1))
+        return tuple(tuple(int(i) for i in g.split(",")) for g in found) or None
+    return None
 
 
 def _group_size(attrs: str, default: int) -> int:
@@ -250,6 +291,7 @@ def parse_hlo(text: str) -> CommStats:
                         runs,
                         in_branch,
                         name,
+                        _groups(attrs),
                     )
                 )
             if opcode == "while":

@@ -195,9 +195,10 @@ def local_step_sync(
     *,
     start_step: int = 0,
     rule: Any = None,
-    num_workers: int | None = None,
+    num_workers: int | tuple[int, int] | None = None,
     collective: str = "two_phase",
     mask: Any = None,
+    fast_axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps of ``inner``, replaced by their 1-bit compressed average on sync steps.
 
@@ -236,6 +237,9 @@ def local_step_sync(
       num_workers: needed only when ``init`` runs outside the mapped context.
       collective: the backend of the compressed mean (``"two_phase"`` or ``"psum"``).
       mask: optional tree of 0/1 like the params, multiplying the synchronised average.
+      fast_axis_name: the axis inside a node; syncs are then hierarchical, exact over it and
+        1-bit only over ``axis_name`` (:func:`~optax_zero_one.onebit_mean`). Local steps stay
+        local: no communication, not even inside a node (``docs/hierarchical.md``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`LocalStepSyncState`;
@@ -248,22 +252,23 @@ def local_step_sync(
       Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1); Lin et al., Don't Use Large
       Mini-Batches, Use Local SGD, arXiv:1808.07217.
     """
-    _checks.check_axis_name(axis_name)
+    axes = _checks.worker_axes(axis_name, fast_axis_name)
     _checks.check_int("start_step", start_step, 0)
     collective_lib.check_collective(collective)
+    collective_lib.check_hierarchy(fast_axis_name, collective)
     rule = rule or ParamsAverage()
 
     def init_fn(params: optax.Params) -> LocalStepSyncState:
         _checks.check_float_leaves(params, "params")
         is_flat = isinstance(params, FlatTree)
         _checks.check_mask(mask, params.shapes() if is_flat else params)
-        workers = _checks.resolve_num_workers(axis_name, num_workers)
+        _checks.resolve_num_workers(axes, num_workers)
         inner_state = inner.init(params)
         borrowed = rule.errors(inner_state, start_step)
         own = (
             optax.EmptyState()
             if borrowed is not None
-            else collective_lib.init_errors(flat.layout_of(params, workers), collective)
+            else collective_lib.init_state(params, axes, num_workers, collective)
         )
         state = LocalStepSyncState(
             count=jnp.zeros([], jnp.int32),
@@ -279,13 +284,13 @@ def local_step_sync(
             dropped_local_grads=jnp.zeros([], jnp.int32),
             inner_state=inner_state,
         )
-        return _graph.worker_state(state, axis_name)
+        return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: LocalStepSyncState, params: Any, **extra_args: Any) -> Any:
         params = _checked_params(updates, state, params)
-        _checks.axis_size(axis_name)
+        _checks.axis_size(axes)
         if num_workers is not None:
-            _checks.resolve_num_workers(axis_name, num_workers)
+            _checks.resolve_num_workers(axes, num_workers)
         k = state.count + 1
         phase_b = k > start_step
         sync = _graph.both(phase_b, local_step_policy.is_sync_step(state.local_step_policy, k))
@@ -331,9 +336,9 @@ def local_step_sync(
         return _graph.keep_if_finite(finite, step, new_state, skipped)
 
     def _compressed(payload: Any, errors: Any) -> tuple[Any, Any, jax.Array]:
-        values, in_form = flat.as_flat(payload, _checks.axis_size(axis_name))
+        values, in_form = flat.as_flat(payload, _checks.axis_size(axes))
         mean, errors, ok = collective_lib.masked_compressed_mean(
-            values, errors, axis_name, collective, mask
+            values, errors, axes, collective, mask
         )
         return in_form(mean), errors, ok
 

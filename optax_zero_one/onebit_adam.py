@@ -36,6 +36,7 @@ def scale_by_onebit_adam(
     *,
     weight_decay: float = 0.0,
     learning_rate: optax.ScalarOrSchedule | None = None,
+    fast_axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Rescales local gradients by 1-bit Adam's moments (a direction, or an update with a
     learning rate).
@@ -65,6 +66,10 @@ def scale_by_onebit_adam(
         (one integer all-reduce, up to 255 workers); see :func:`~optax_zero_one.onebit_mean`.
       weight_decay: decoupled weight decay added to the direction (needs ``params``).
       learning_rate: if given, a float or schedule; the output is then ``-lr_k d``.
+      fast_axis_name: a second worker axis, inside a node (fast links). Then ``axis_name`` is
+        the axis across nodes: every mean is exact over ``fast_axis_name`` and compressed only
+        over ``axis_name``, on a 1/L share per worker (``docs/hierarchical.md``).
+        ``num_workers`` is then a pair ``(nodes, workers per node)``. Two-phase backend only.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -77,12 +82,14 @@ def scale_by_onebit_adam(
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
     if learning_rate is not None:
         _checks.check_learning_rate(learning_rate)
-    _checks.check_axis_name(axis_name)
+    _checks.worker_axes(axis_name, fast_axis_name)
     collective_lib.check_collective(collective)
+    collective_lib.check_hierarchy(fast_axis_name, collective)
     warmup = policies.FullPrecisionWarmup(freeze_step)
-    momentum = collective_lib.onebit_mean(axis_name, num_workers, collective, mask=mask)
+    axes = dict(num_workers=num_workers, fast_axis_name=fast_axis_name)
+    momentum = collective_lib.onebit_mean(axis_name, collective=collective, mask=mask, **axes)
     steps = [
-        scheduled_mean(axis_name, warmup, compressed_steps=False, num_workers=num_workers),
+        scheduled_mean(axis_name, warmup, compressed_steps=False, **axes),
         scale_by_frozen_variance_adam(b1, b2, eps, warmup, momentum_mean=momentum),
     ]
     if not (_checks.is_static_number(weight_decay) and weight_decay == 0):
@@ -90,7 +97,7 @@ def scale_by_onebit_adam(
     if learning_rate is not None:
         steps.append(optax.scale_by_learning_rate(learning_rate))
     guarded = skip_not_finite(optax.chain(*steps))
-    return flatten(guarded, axis_name=axis_name, num_workers=num_workers)
+    return flatten(guarded, axis_name=axis_name, **axes)
 
 
 def _decayed_weights(weight_decay: float) -> optax.GradientTransformation:
@@ -116,6 +123,7 @@ def onebit_adam(
     num_workers: int | None = None,
     mask: Any = None,
     collective: str = "two_phase",
+    fast_axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """1-bit Adam (Tang et al., 2021): :func:`scale_by_onebit_adam` with decoupled weight decay
     and the learning rate.
@@ -127,8 +135,9 @@ def onebit_adam(
       b1, b2, eps: Adam's constants (no bias correction).
       weight_decay: decoupled weight decay, scaled by the learning rate.
       freeze_step: ``T``, the number of full-precision warm-up steps.
-      axis_name, num_workers, mask, collective: as in :func:`scale_by_onebit_adam` (the
-        worker axis; its size if ``init`` runs outside it; a 0/1 mask; the backend).
+      axis_name, num_workers, mask, collective, fast_axis_name: as in
+        :func:`scale_by_onebit_adam` (the worker axis; its size if ``init`` runs outside it; a
+        0/1 mask; the backend; the axis inside a node, for hierarchical compression).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -152,4 +161,5 @@ def onebit_adam(
         collective,
         weight_decay=weight_decay,
         learning_rate=learning_rate,
+        fast_axis_name=fast_axis_name,
     )

@@ -41,9 +41,10 @@ def scheduled_mean(
     variance_policy: policies.VariancePolicy,
     *,
     compressed_steps: bool = True,
-    num_workers: int | None = None,
+    num_workers: int | tuple[int, int] | None = None,
     collective: str = "two_phase",
     mask: Any = None,
+    fast_axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Averages the workers' updates in full precision, in 1 bit, or not at all, by the step.
 
@@ -65,6 +66,8 @@ def scheduled_mean(
       num_workers: needed only when ``init`` runs outside the mapped context.
       collective: the backend of ``C`` (``"two_phase"`` or ``"psum"``).
       mask: optional tree of 0/1 like the params, multiplying the compressed means.
+      fast_axis_name: the axis inside a node; both means are then hierarchical, exact over it
+        and 1-bit only over ``axis_name`` (:func:`~optax_zero_one.onebit_mean`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`ScheduledMeanState`.
@@ -77,34 +80,35 @@ def scheduled_mean(
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1).
     """
-    _checks.check_axis_name(axis_name)
+    axes = _checks.worker_axes(axis_name, fast_axis_name)
     collective_lib.check_collective(collective)
+    collective_lib.check_hierarchy(fast_axis_name, collective)
     freeze = variance_policy.freeze_step
 
     def init_fn(params: optax.Params) -> ScheduledMeanState:
         _checks.check_float_leaves(params, "params")
-        workers = _checks.resolve_num_workers(axis_name, num_workers)
+        _checks.resolve_num_workers(axes, num_workers)
         _checks.check_mask(mask, params.shapes() if isinstance(params, FlatTree) else params)
         errors = (
-            collective_lib.init_errors(flat.layout_of(params, workers), collective)
+            collective_lib.init_state(params, axes, num_workers, collective)
             if compressed_steps
             else optax.EmptyState()
         )
         state = ScheduledMeanState(
             jnp.zeros([], jnp.int32), _checks.as_int32_state(variance_policy.init()), errors
         )
-        return _graph.worker_state(state, axis_name)
+        return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: ScheduledMeanState, params: Any, **extra_args: Any) -> Any:
         del params, extra_args
-        _checks.axis_size(axis_name)
+        _checks.axis_size(axes)
         k = state.count + 1
         phase_a = k <= freeze
         variance = _graph.both(phase_a, variance_policy.is_update_step(state.variance_policy, k))
         compressed = _graph.both(phase_a, _graph.negate(variance))
 
         def float_step(g: Any) -> Any:
-            mean = collective_lib.float_mean(g, axis_name)
+            mean = collective_lib.float_mean(g, axes)
             return jax.tree.map(lambda m, x: m.astype(x.dtype), mean, g)
 
         updates = _graph.run_if(variance, float_step, updates, like=updates)
@@ -120,10 +124,10 @@ def scheduled_mean(
         return updates, new_state
 
     def _compressed(updates: Any, errors: Any, active: Any) -> tuple[Any, Any]:
-        values, in_form = flat.as_flat(updates, _checks.axis_size(axis_name))
+        values, in_form = flat.as_flat(updates, _checks.axis_size(axes))
 
         def step(carry: Any) -> Any:
-            mean, e, _ = collective_lib.masked_compressed_mean(*carry, axis_name, collective, mask)
+            mean, e, _ = collective_lib.masked_compressed_mean(*carry, axes, collective, mask)
             return mean, e
 
         values, errors = _graph.run_if(active, step, (values, errors), like=values)

@@ -39,7 +39,9 @@ class FlattenState(NamedTuple):
 def flatten(
     inner: optax.GradientTransformation,
     axis_name: str | None = None,
-    num_workers: int | None = None,
+    num_workers: int | tuple[int, int] | None = None,
+    *,
+    fast_axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Runs ``inner`` on the whole tree as one flat buffer per worker (like ``optax.flatten``).
 
@@ -56,6 +58,8 @@ def flatten(
       inner: the transformation to run on flat buffers.
       axis_name: the worker axis the layout is made for (``None``: one worker).
       num_workers: needed only when ``init`` runs outside the mapped context.
+      fast_axis_name: the axis inside a node, for a hierarchical ``inner``: the layout is then
+        made for the workers of both axes (``docs/hierarchical.md``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`FlattenState`.
@@ -66,19 +70,19 @@ def flatten(
     References:
       ``optax.flatten`` is the precedent (a single flat vector, no layout).
     """
-    _checks.check_axis_name(axis_name)
+    axes = _checks.worker_axes(axis_name, fast_axis_name)
 
     def init_fn(params: optax.Params) -> FlattenState:
         _checks.check_float_leaves(params, "params")
-        workers = _checks.resolve_num_workers(axis_name, num_workers)
+        workers = _checks.resolve_num_workers(axes, num_workers)
         layout = Layout.of(params, workers)
         state = FlattenState(leaf_offsets(layout), inner.init(to_flat(params, layout)))
-        return _graph.worker_state(state, axis_name)
+        return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: FlattenState, params: Any, **extra_args: Any) -> Any:
-        workers = _checks.axis_size(axis_name)
+        workers = _checks.axis_size(axes)
         if num_workers is not None:
-            _checks.resolve_num_workers(axis_name, num_workers)
+            _checks.resolve_num_workers(axes, num_workers)
         stored = find_layout(state.inner_state)
         if stored is not None:
             stored.check_tree(updates, "updates", "the optimizer state")
@@ -92,7 +96,7 @@ def flatten(
             _checks.check_tree_matches(params, updates, "params", "updates")
         dtype = compute_dtype(updates if params is None else params)
         flat_params = None if params is None else to_flat(params, layout, dtype)
-        inner_state = kinds.share_counters(state.inner_state, axis_name)
+        inner_state = kinds.share_counters(state.inner_state, axes)
         flat_updates, inner_state = inner.update(
             to_flat(updates, layout, dtype), inner_state, flat_params, **extra_args
         )

@@ -42,6 +42,7 @@ def scale_by_zero_one_adam(
     num_workers: int | None = None,
     mask: Any = None,
     collective: str = "two_phase",
+    fast_axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""0/1 Adam with pluggable policies: the update, learning rate and weight decay included.
 
@@ -76,6 +77,10 @@ def scale_by_zero_one_adam(
       mask: optional pytree of 0/1 like the params; multiplies the compressed means.
       collective: the backend of ``C``: ``"two_phase"`` (DeepSpeed's scheme) or ``"psum"``
         (one integer all-reduce, up to 255 workers); see :func:`~optax_zero_one.onebit_mean`.
+      fast_axis_name: a second worker axis, inside a node (fast links). Then ``axis_name`` is
+        the axis across nodes: every mean is exact over ``fast_axis_name`` and compressed only
+        over ``axis_name``, on a 1/L share per worker (``docs/hierarchical.md``).
+        ``num_workers`` is then a pair ``(nodes, workers per node)``. Two-phase backend only.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
@@ -86,11 +91,14 @@ def scale_by_zero_one_adam(
     """
     _checks.check_learning_rate(learning_rate)
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
-    _checks.check_axis_name(axis_name)
+    _checks.worker_axes(axis_name, fast_axis_name)
     collective_lib.check_collective(collective)
+    collective_lib.check_hierarchy(fast_axis_name, collective)
     variance_policy = variance_policy or policies.VarianceDoubling()
     local_step_policy = local_step_policy or policies.LocalStepDoubling()
-    shared = dict(num_workers=num_workers, collective=collective, mask=mask)
+    shared = dict(
+        num_workers=num_workers, collective=collective, mask=mask, fast_axis_name=fast_axis_name
+    )
     steps = [
         scheduled_mean(axis_name, variance_policy, **shared),
         scale_by_frozen_variance_adam(b1, b2, eps, variance_policy),
@@ -106,7 +114,9 @@ def scale_by_zero_one_adam(
         rule=FrozenAdamSync(learning_rate, eps, variance_policy),
         **shared,
     )
-    return flatten(synced, axis_name=axis_name, num_workers=num_workers)
+    return flatten(
+        synced, axis_name=axis_name, num_workers=num_workers, fast_axis_name=fast_axis_name
+    )
 
 
 def zero_one_adam(
@@ -123,6 +133,7 @@ def zero_one_adam(
     num_workers: int | None = None,
     mask: Any = None,
     collective: str = "two_phase",
+    fast_axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """0/1 Adam (Lu et al., 2023) with DeepSpeed's default schedules.
 
@@ -142,8 +153,9 @@ def zero_one_adam(
       var_update_scaler: ``kappa``; variance steps per interval before the gap doubles.
       local_step_scaler: ``alpha``; phase-B steps per interval before the sync gap doubles.
       local_step_clipper: ``H``; the largest sync gap.
-      axis_name, num_workers, mask, collective: as in :func:`scale_by_zero_one_adam` (the
-        worker axis; its size if ``init`` runs outside it; a 0/1 mask; the backend).
+      axis_name, num_workers, mask, collective, fast_axis_name: as in
+        :func:`scale_by_zero_one_adam` (the worker axis; its size if ``init`` runs outside it;
+        a 0/1 mask; the backend; the axis inside a node, for hierarchical compression).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -169,4 +181,5 @@ def zero_one_adam(
         num_workers=num_workers,
         mask=mask,
         collective=collective,
+        fast_axis_name=fast_axis_name,
     )

@@ -158,6 +158,55 @@ class CompressedMean:
         ]
 
 
+class HierarchicalMean:
+    """The hierarchical mean for ``nodes x local`` workers (worker ``s * local + l`` is device
+    ``l`` of node ``s``): exact inside each node, 1-bit compressed across nodes.
+
+    Each leaf is padded to ``P`` for all ``N = nodes * local`` workers and cut into ``local``
+    shares of ``P / local``. Device ``l`` of every node holds share ``l`` of its node's exact
+    mean; share ``l`` is averaged over the nodes by its own :class:`CompressedMean` of ``nodes``
+    workers (so every share of every leaf has its own scales and error buffers); every worker
+    ends with the concatenated shares.
+
+    Attributes:
+        shares: ``[leaf][l]``: the :class:`CompressedMean` of share ``l`` (``None`` for an empty
+            leaf).
+    """
+
+    def __init__(self, shapes: list[tuple[int, ...]], nodes: int, local: int):
+        self.nodes, self.local = nodes, local
+        self.shapes = [tuple(s) for s in shapes]
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.padded = [padded_size(n, nodes * local) for n in self.sizes]
+        self.shares = [
+            [CompressedMean([(p // local,)], nodes) for _ in range(local)] if p else None
+            for p in self.padded
+        ]
+
+    def __call__(self, zs: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """The mean of ``zs[worker][leaf]``, identical on every worker; one array per leaf."""
+        out = []
+        for leaf, (n, p, shape) in enumerate(zip(self.sizes, self.padded, self.shapes)):
+            if p == 0:
+                out.append(np.zeros(shape))
+                continue
+            node_means = []
+            for s in range(self.nodes):
+                rows = [
+                    np.asarray(zs[s * self.local + j][leaf], np.float64).reshape(-1)
+                    for j in range(self.local)
+                ]
+                node_means.append(np.concatenate([np.mean(rows, axis=0), np.zeros(p - n)]))
+            width = p // self.local
+            pieces = []
+            for i, mean in enumerate(self.shares[leaf]):
+                share = [[m[i * width : (i + 1) * width]] for m in node_means]
+                mean(share)
+                pieces.append(mean.last_padded_outputs[0][0])
+            out.append(np.concatenate(pieces)[:n].reshape(shape))
+        return out
+
+
 # --------------------------------------------------------------------------------------
 # Schedules (pure functions of the counters).
 

@@ -1,0 +1,298 @@
+"""Hierarchical compression (``fast_axis_name``): exact inside a node, 1-bit across nodes.
+
+Checked against the float64 reference of the hierarchical mean, against the flat optimizer
+(a node of one worker), in the compiled program (which collectives run over which mesh axis,
+and the bytes over the slow one), and through training on a ``("node", "local")`` mesh.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import mapping
+from support.reference import HierarchicalMean
+
+import optax_zero_one as ozo
+from optax_zero_one.flat import Layout
+
+SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
+AXES = ("node", "local")
+
+
+def nested(fn, nodes, local):
+    """``fn`` under two nested ``vmap``s: arguments lead with ``(nodes, local)``."""
+    return jax.jit(jax.vmap(jax.vmap(fn, axis_name="local"), axis_name="node"))
+
+
+def mesh_of(nodes, local):
+    return jax.make_mesh((nodes, local), AXES, devices=jax.devices()[: nodes * local])
+
+
+def on_mesh(fn, mesh):
+    """``fn`` under ``shard_map`` over both axes: arguments lead with ``N = nodes * local``."""
+    run = jax.jit(ozo.on_workers(fn, mesh, AXES))
+    sharding = NamedSharding(mesh, P(AXES))
+    return lambda *args: run(*jax.device_put(args, sharding))
+
+
+def share_errors(state, layout, nodes, local):
+    """Device ``(s, l)``'s worker error per leaf as the padded share ``P / local`` and its server
+    error per leaf as one chunk: ``[leaf][s][l]``."""
+    worker = np.asarray(state.worker_error)  # (nodes, local, nodes, C): rows of share l
+    server = np.asarray(state.server_error)  # (nodes, local, C)
+    out_w, out_s = [], []
+    for start, chunk in zip(layout.starts, layout.chunks):
+        cols = slice(int(start), int(start + chunk))
+        out_w.append(worker[:, :, :, cols].reshape(nodes, local, -1))
+        out_s.append(server[:, :, cols])
+    return out_w, out_s
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
+def test_mean_matches_float64_reference_errors_included(nodes, local):
+    n = nodes * local
+    tx = ozo.onebit_mean("node", fast_axis_name="local")
+    with jax.enable_x64(True):
+        inputs = mapping.make_inputs(SHAPES, n, 4, seed=nodes, dtypes=[np.float64] * 6)
+        state = nested(tx.init, nodes, local)(
+            [x.reshape(nodes, local, *x.shape[1:]) for x in inputs[0]]
+        )
+        step = nested(lambda t, s: tx.update(t, s), nodes, local)
+        ref = HierarchicalMean(SHAPES, nodes, local)
+        for tree in inputs:
+            out, state = step([x.reshape(nodes, local, *x.shape[1:]) for x in tree], state)
+            expected = ref([[leaf[w] for leaf in tree] for w in range(n)])
+            for got, want in zip(out, expected):
+                got = np.asarray(got).reshape(n, *want.shape)
+                for w in range(n):  # the same mean on every worker
+                    np.testing.assert_allclose(got[w], want, rtol=1e-6, atol=1e-6)
+        layout = Layout.of([jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES], n)
+        worker, server = share_errors(state, layout, nodes, local)
+        for leaf, shares in enumerate(ref.shares):
+            if shares is None:
+                continue
+            for s in range(nodes):
+                for i, mean in enumerate(shares):
+                    np.testing.assert_allclose(
+                        worker[leaf][s, i], mean.worker_error[s][0], rtol=1e-6, atol=1e-6
+                    )
+                    np.testing.assert_allclose(
+                        server[leaf][s, i], mean.server_error[s][0], rtol=1e-6, atol=1e-6
+                    )
+
+
+def test_mean_on_a_mesh_is_the_reference_and_identical_on_every_worker():
+    nodes, local = 2, 4
+    mesh = mesh_of(nodes, local)
+    tx = ozo.onebit_mean("node", fast_axis_name="local")
+    inputs = mapping.make_inputs(SHAPES, 8, 3, seed=5)
+    state = on_mesh(tx.init, mesh)(inputs[0])
+    step = on_mesh(lambda t, s: tx.update(t, s), mesh)
+    ref = HierarchicalMean(SHAPES, nodes, local)
+    for tree in inputs:
+        out, state = step(tree, state)
+        expected = ref([[np.asarray(leaf[w], np.float64) for leaf in tree] for w in range(8)])
+        for got, want in zip(out, expected):
+            got = np.asarray(got)
+            assert np.array_equal(got, np.broadcast_to(got[:1], got.shape))
+            np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_error_buffers_are_one_local_th_of_the_flat_ones():
+    params = [jnp.zeros(s) for s in SHAPES]
+    flat = ozo.onebit_mean("w", num_workers=8).init(params)
+    hier = ozo.onebit_mean("node", num_workers=(2, 4), fast_axis_name="local").init(params)
+    assert hier.worker_error.nbytes * 4 == flat.worker_error.buffer.nbytes
+    assert hier.server_error.nbytes == flat.server_error.nbytes
+    one_node = ozo.onebit_mean("node", num_workers=(1, 8), fast_axis_name="local").init(params)
+    assert sum(x.size for x in one_node) == 0  # exact inside the node: nothing to remember
+
+
+# -- training ------------------------------------------------------------------------------
+
+VP, LP = ozo.VarianceDoubling(6, 2), ozo.LocalStepDoubling(4, 2)
+STEPS = 14  # every kind: variance, compressed, local, sync
+
+
+def make_tx(**axes):
+    return ozo.scale_by_zero_one_adam(
+        1e-2, variance_policy=VP, local_step_policy=LP, weight_decay=0.01, **axes
+    )
+
+
+def params0():
+    rng = np.random.default_rng(0)
+    return {"w": rng.standard_normal((9, 5)).astype(np.float32), "b": np.zeros(5, np.float32)}
+
+
+def grads(n, step, poison=None):
+    rng = np.random.default_rng(100 + step)
+    g = {
+        "w": rng.standard_normal((n, 9, 5)).astype(np.float32) + 0.3,
+        "b": rng.standard_normal((n, 5)).astype(np.float32),
+    }
+    if poison is not None:
+        g["w"][poison, 0, 0] = np.nan
+    return g
+
+
+def train(tx, mesh, axes, steps=STEPS, poison=None):
+    n = mesh.devices.size
+    run_init = jax.jit(ozo.on_workers(tx.init, mesh, axes))
+    sharding = NamedSharding(mesh, P(axes))
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    run = jax.jit(ozo.on_workers(step, mesh, axes))
+    p = jax.device_put(ozo.replicate(params0(), n), sharding)
+    s = run_init(p)
+    history = []
+    for k in range(1, steps + 1):
+        bad = poison.get(k) if poison else None
+        p, s = run(p, s, jax.device_put(grads(n, k, bad), sharding))
+        history.append(jax.tree.map(np.asarray, p))
+    return history, s
+
+
+def test_a_node_of_one_worker_is_the_flat_optimizer_bitwise():
+    flat_mesh = jax.make_mesh((8,), ("w",))
+    flat, _ = train(make_tx(axis_name="w"), flat_mesh, "w")
+    hier, _ = train(make_tx(axis_name="node", fast_axis_name="local"), mesh_of(8, 1), AXES)
+    for a, b in zip(flat, hier):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(x, y)
+    assert set(ozo.step_kinds(VP, LP, STEPS).tolist()) == {0, 1, 2, 3}
+
+
+def test_training_on_two_by_four_every_kind_and_non_finite():
+    kinds = ozo.step_kinds(VP, LP, STEPS)
+    skipped = int(np.flatnonzero(kinds == 1)[0]) + 1  # a NaN on worker 3 at a compressed step
+    # the skipped step does not advance the counters: later steps take the kind one earlier
+    taken = np.concatenate([kinds[: skipped - 1], [-1], kinds[skipped - 1 : -1]])
+    dropped = int(np.flatnonzero(taken == 2)[0]) + 1  # a NaN on worker 6 at a local step
+    tx = make_tx(axis_name="node", fast_axis_name="local")
+    poison = {skipped: 3, dropped: 6}
+    history, state = train(tx, mesh_of(2, 4), AXES, poison=poison)
+    for k, params in enumerate(history, start=1):
+        for leaf in jax.tree.leaves(params):
+            assert np.all(np.isfinite(leaf))
+            spread = float((leaf.max(0) - leaf.min(0)).max())
+            if taken[k - 1] in (-1, 0, 1):  # skipped, variance, compressed: the same bits
+                assert spread == 0.0, k
+            elif taken[k - 1] == 3:  # a sync: x + (xbar - x), xbar shared, rounded per worker
+                assert spread <= 1e-6 * float(np.abs(leaf).max()), k
+            else:  # a local step: each worker its own
+                assert spread > 1e-3, k
+    np.testing.assert_array_equal(history[skipped - 1]["w"], history[skipped - 2]["w"])
+    sync = state.inner_state
+    assert np.asarray(sync.skipped_updates).tolist() == [1] * 8
+    assert np.asarray(sync.dropped_local_grads).tolist() == [0] * 6 + [1] + [0]
+
+
+def test_onebit_adam_two_by_four_matches_flat_before_the_freeze():
+    """Before its freeze 1-bit Adam averages in full precision: the hierarchical float mean
+    (reduce-scatter, all-reduce of the share, all-gather) is the flat pmean to rounding."""
+    make = lambda **axes: ozo.onebit_adam(1e-2, freeze_step=4, **axes)  # noqa: E731
+    flat, _ = train(make(axis_name="w"), jax.make_mesh((8,), ("w",)), "w", steps=8)
+    hier, _ = train(make(axis_name="node", fast_axis_name="local"), mesh_of(2, 4), AXES, steps=8)
+    for k in range(4):
+        np.testing.assert_allclose(hier[k]["w"], flat[k]["w"], rtol=1e-5, atol=1e-6)
+    for leaf in jax.tree.leaves(hier[-1]):  # after it, compressed, identical on every worker
+        assert np.array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+    assert np.abs(hier[-1]["w"][0] - flat[-1]["w"][0]).max() > 0  # another compressor
+
+
+# -- the compiled program ------------------------------------------------------------------
+
+
+def kind_program(tx, mesh, step, params):
+    """The update of the kind of ``step``, compiled alone (counters pinned inside the body)."""
+
+    def body(p, g):
+        state = ozo.pin_step(tx.init(p), step, VP, LP)
+        return tx.update(g, state, p)[0]
+
+    return ozo.on_workers(body, mesh, AXES), params
+
+
+def test_compiled_program_groups_and_bytes_over_the_slow_axis():
+    mesh = mesh_of(2, 4)
+    big = {"a": np.zeros((300, 257), np.float32), "b": np.zeros((4099,), np.float32)}
+    numel = 300 * 257 + 4099
+    args = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            (8, *x.shape), x.dtype, sharding=NamedSharding(mesh, P(AXES))
+        ),
+        big,
+    )
+    tx = make_tx(axis_name="node", fast_axis_name="local")
+    kinds = ozo.step_kinds(VP, LP, STEPS)
+    layout = Layout.of(big, 8)
+    for kind in (0, 1, 3):  # variance, compressed, sync
+        step = int(np.flatnonzero(kinds == kind)[0]) + 1
+        fn, _ = kind_program(tx, mesh, step, big)
+        stats = ozo.comm_stats(fn, args, args)
+        per_axis = {}
+        for c in stats.collectives:
+            if c.payload_bytes <= 64:  # counters and flags
+                continue
+            per_axis.setdefault(c.mesh_axes(mesh), []).append((c.kind, c.dtypes))
+        if kind == 0:  # exact: float over local, the 1/4 share's all-reduce over node
+            assert per_axis == {
+                ("local",): [("reduce-scatter", ("f32",)), ("all-gather", ("f32",))],
+                ("node",): [("all-reduce", ("f32",))],
+            }, per_axis
+            share = [c for c in stats.collectives if c.mesh_axes(mesh) == ("node",)][0]
+            assert share.payload_bytes == 4 * 2 * layout.width  # 1/4 of the (8, C) buffer
+            continue
+        # 1-bit: float reduce-scatter over local, bytes over node, packed replies over local
+        assert sorted(per_axis[("local",)]) == [
+            ("all-gather", ("u8",)),
+            ("reduce-scatter", ("f32",)),
+        ]
+        assert sorted(per_axis[("node",)]) == [("all-gather", ("u8",)), ("all-to-all", ("u8",))]
+        assert set(per_axis) == {("local",), ("node",)}
+        slow = stats.sent_bytes_by_axes(mesh)[("node",)]
+        # 2 (S - 1) rows of C/8 signs and 4 B per leaf scale, S = 2 nodes
+        assert slow == 2 * (2 - 1) * (layout.width // 8 + 4 * 2)
+        limit = 2 * (2 - 1) / 2 * (numel / 4) / 8  # the 1-bit limit for numel/4 over 2 nodes
+        assert limit <= slow <= 1.01 * limit
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def test_bad_axes_and_settings_are_refused_at_construction():
+    with pytest.raises(ValueError, match="two different mesh axes"):
+        ozo.zero_one_adam(1e-3, axis_name="node", fast_axis_name="node")
+    with pytest.raises(ValueError, match="needs axis_name"):
+        ozo.onebit_adam(1e-3, fast_axis_name="local")
+    with pytest.raises(ValueError, match="two_phase"):
+        ozo.zero_one_adam(1e-3, axis_name="node", fast_axis_name="local", collective="psum")
+    with pytest.raises(ValueError, match="fast_axis_name must be"):
+        ozo.onebit_mean("node", fast_axis_name=3)
+    with pytest.raises(ValueError, match=r"pair \(nodes, workers per node\)"):
+        ozo.onebit_mean("node", num_workers=8, fast_axis_name="local").init({"w": jnp.zeros(3)})
+    with pytest.raises(ValueError, match=r"num_workers=\(nodes, workers per node\)"):
+        ozo.zero_one_adam(1e-3, axis_name="node", fast_axis_name="local").init({"w": jnp.zeros(3)})
+
+
+def test_a_state_for_another_split_is_refused():
+    tree = [jnp.zeros((8, 16))]
+    tx = ozo.onebit_mean("node", fast_axis_name="local")
+    state = ozo.onebit_mean("node", num_workers=(2, 4), fast_axis_name="local").init(tree)
+    state_4x2 = jax.tree.map(lambda x: jnp.broadcast_to(x, (4, 2, *x.shape)), state)
+    step = nested(lambda t, s: tx.update(t, s), 4, 2)
+    with pytest.raises(ValueError, match="another split of the workers"):
+        step([jnp.ones((4, 2, 8, 16))], state_4x2)
+    flat_state = ozo.onebit_mean("w", num_workers=8).init(tree)
+    with pytest.raises(ValueError, match="another split of the workers"):
+        nested(lambda t, s: tx.update(t, s), 2, 4)(
+            [jnp.ones((2, 4, 8, 16))],
+            jax.tree.map(lambda x: jnp.broadcast_to(x, (2, 4, *x.shape)), flat_state),
+        )
