@@ -82,6 +82,9 @@ KIND_NAMES = {ADAM: ("step",), ONEBIT: ozo.ONEBIT_STEP_KINDS, ZERO_ONE: ozo.STEP
 
 # Communication classes, and the class docs/algorithm.md says each step kind must be.
 FLOAT, ONE_BIT, SILENT = "float all-reduce", "1-bit", "none"
+# ... and on a (node, local) mesh with fast_axis_name="local" (docs/hierarchical.md)
+FLOAT_H, ONE_BIT_H = "exact in node, float across", "exact in node, 1-bit across"
+EXPECTED_H = {FLOAT: FLOAT_H, ONE_BIT: ONE_BIT_H, SILENT: SILENT}
 EXPECTED = {
     (ADAM, "step"): FLOAT,
     (ONEBIT, "warmup"): FLOAT,
@@ -114,6 +117,18 @@ NETWORKS = (
     ("40 GbE", 40.0, 50.0),
     ("100 GbE", 100.0, 50.0),
     ("200 Gb IB", 200.0, 5.0),
+)
+
+
+# Links for the hierarchical projection: (name, (Gbit/s, latency us) per worker inside a node,
+# the same across nodes). The first pair is set by --fast-gbit/--slow-gbit (default: 400 Gbit/s
+# inside, 100 across); the others are fixed: H100 NVLink 4 (450 GB/s each way, 3,600 Gbit/s)
+# with one 400 Gbit/s InfiniBand NDR or one 100 Gbit/s Ethernet NIC per GPU, and a PCIe-class
+# node on 25 Gbit/s Ethernet. Latencies are assumptions, as for NETWORKS.
+LINK_PAIRS = (
+    ("NVLink 4 / 400 Gb IB", (3600.0, 2.0), (400.0, 5.0)),
+    ("NVLink 4 / 100 GbE", (3600.0, 2.0), (100.0, 50.0)),
+    ("PCIe-class / 25 GbE", (400.0, 2.0), (25.0, 50.0)),
 )
 
 
@@ -158,26 +173,24 @@ def kind_counts(kinds: dict[str, np.ndarray]) -> dict[str, dict[str, int]]:
     }
 
 
-def optimizer_spec(optimizer: str, schedule: Schedule, num_workers: int) -> common.OptimizerSpec:
-    """The optimizer as compiled: built for ``num_workers`` workers on axis ``common.AXIS``."""
+Workers = int | tuple[int, int]  # N flat workers, or (nodes, workers per node)
+
+
+def optimizer_spec(
+    optimizer: str, schedule: Schedule, num_workers: Workers
+) -> common.OptimizerSpec:
+    """The optimizer as compiled: built for ``num_workers`` workers on axis ``common.AXIS``, or
+    for ``(nodes, local)`` on ``("node", "local")`` with hierarchical compression."""
     if optimizer == ADAM:
         return common.OptimizerSpec(ADAM, optax.adam(1e-3), average_grads=True)
+    axes: dict[str, Any] = dict(axis_name=common.AXIS, num_workers=num_workers)
+    if isinstance(num_workers, tuple):
+        axes = dict(axis_name="node", fast_axis_name="local", num_workers=num_workers)
     if optimizer == ONEBIT:
-        tx = ozo.onebit_adam(
-            1e-3,
-            freeze_step=schedule.onebit_freeze_step,
-            axis_name=common.AXIS,
-            num_workers=num_workers,
-        )
+        tx = ozo.onebit_adam(1e-3, freeze_step=schedule.onebit_freeze_step, **axes)
         return common.onebit_spec(ONEBIT, tx, schedule.onebit_freeze_step)
     variance, local = schedule.variance_policy(), schedule.local_step_policy()
-    tx = ozo.scale_by_zero_one_adam(
-        1e-3,
-        variance_policy=variance,
-        local_step_policy=local,
-        axis_name=common.AXIS,
-        num_workers=num_workers,
-    )
+    tx = ozo.scale_by_zero_one_adam(1e-3, variance_policy=variance, local_step_policy=local, **axes)
     return common.zero_one_spec(ZERO_ONE, tx, variance, local)
 
 
@@ -206,8 +219,9 @@ class KindStats:
     compile_cpu_s: float
 
 
-def classify(stats: ozo.CommStats) -> str:
-    """The communication class of a compiled program (see :data:`EXPECTED`)."""
+def classify(stats: ozo.CommStats, mesh: jax.sharding.Mesh | None = None) -> str:
+    """The communication class of a compiled program (see :data:`EXPECTED`; with the ``(node,
+    local)`` ``mesh`` of a hierarchical program, :data:`EXPECTED_H`)."""
     if any(c.conditional or c.executions != 1 for c in stats.collectives):
         return "ambiguous (collective in a branch or loop)"
     kinds = sorted(c.kind for c in stats.collectives)
@@ -218,7 +232,29 @@ def classify(stats: ozo.CommStats) -> str:
         return FLOAT
     if kinds == ["all-gather", "all-to-all"] and dtypes == {"u8"}:
         return ONE_BIT
+    if mesh is not None:
+        seen = sorted(("+".join(c.mesh_axes(mesh)), c.kind, *c.dtypes) for c in stats.collectives)
+        float_h = [("local", "all-gather", "f32"), ("local", "reduce-scatter", "f32")]
+        if seen == sorted([*float_h, ("node", "all-reduce", "f32")]):
+            return FLOAT_H
+        one_bit_h = [("local", "all-gather", "u8"), ("local", "reduce-scatter", "f32")]
+        if seen == sorted([*one_bit_h, ("node", "all-gather", "u8"), ("node", "all-to-all", "u8")]):
+            return ONE_BIT_H
     return "unexpected: " + ", ".join(f"{c.kind}[{','.join(c.dtypes)}]" for c in stats.collectives)
+
+
+def expected_class(optimizer: str, kind: str, num_workers: Workers) -> str:
+    """The class :func:`classify` must find for ``optimizer``'s ``kind`` (Adam's pmean over a
+    ``(node, local)`` mesh stays one float all-reduce)."""
+    flat = EXPECTED[(optimizer, kind)]
+    return EXPECTED_H[flat] if isinstance(num_workers, tuple) and optimizer != ADAM else flat
+
+
+def mesh_of(num_workers: Workers) -> jax.sharding.Mesh:
+    """The mesh :func:`common.update_comm_stats` compiles on for ``num_workers``."""
+    if isinstance(num_workers, tuple):
+        return common.node_mesh(*num_workers)
+    return ozo.worker_mesh(common.AXIS, num_workers)
 
 
 def compile_kind(
@@ -226,7 +262,7 @@ def compile_kind(
     kind: str,
     step: int,
     params: Any,
-    num_workers: int,
+    num_workers: Workers,
     schedule: Schedule,
     compiler_options: dict[str, Any] | None,
 ) -> KindStats:
@@ -236,6 +272,7 @@ def compile_kind(
     stats = common.update_comm_stats(
         spec, params, num_workers, None if optimizer == ADAM else step, compiler_options
     )
+    mesh = mesh_of(num_workers)
     collectives = tuple(
         {
             "kind": c.kind,
@@ -243,6 +280,7 @@ def compile_kind(
             "payload_bytes": c.payload_bytes,
             "sent_bytes": c.sent_bytes,
             "group_size": c.group_size,
+            "axes": "+".join(c.mesh_axes(mesh)),
         }
         for c in stats.collectives
     )
@@ -250,7 +288,7 @@ def compile_kind(
         collectives,
         stats.sent_bytes_per_device,
         stats.launches,
-        classify(stats),
+        classify(stats, mesh if isinstance(num_workers, tuple) else None),
         f"{optimizer}/{kind}@{step}, N={num_workers}",
         time.perf_counter() - start,
         time.process_time() - cpu,
@@ -297,7 +335,7 @@ class Accountant:
             self.disk = json.loads(self.cache_path.read_text())
         self.fingerprint = _fingerprint(params, schedule, compiler_options, label)
 
-    def _compile(self, n: int, optimizer: str, kind: str) -> KindStats:
+    def _compile(self, n: Workers, optimizer: str, kind: str) -> KindStats:
         key = (n, optimizer, kind)
         disk_key = f"{self.fingerprint}|{n}|{optimizer}|{kind}"
         if key not in self.cache and disk_key in self.disk:
@@ -305,19 +343,22 @@ class Accountant:
             saved["collectives"] = tuple(saved["collectives"])
             self.cache[key] = KindStats(**saved)
             self.progress(
-                f"  {self.label} N={n:<3} {optimizer:<10} {kind:<10} from {self.cache_path}: "
+                f"  {self.label} N={_workers(n):<5} {optimizer:<10} {kind:<10} from "
+                f"{self.cache_path}: "
                 f"{saved['comm_class']}, {saved['sent_bytes']:,.0f} B/worker"
             )
         if key not in self.cache:
             step = self.first_step[(optimizer, kind)]
             self.progress(
-                f"  compiling {self.label} N={n:<3} {optimizer:<10} {kind:<10} (step {step:,}) ..."
+                f"  compiling {self.label} N={_workers(n):<5} {optimizer:<10} {kind:<10} "
+                f"(step {step:,}) ..."
             )
             stats = compile_kind(
                 optimizer, kind, step, self.params, n, self.schedule, self.compiler_options
             )
             self.compiled += 1
-            mark = "" if stats.comm_class == EXPECTED[(optimizer, kind)] else "  <-- UNEXPECTED"
+            want = expected_class(optimizer, kind, n)
+            mark = "" if stats.comm_class == want else "  <-- UNEXPECTED"
             self.progress(
                 f"    {stats.comm_class}: {stats.launches} launch(es), "
                 f"{stats.sent_bytes:,.0f} B/worker (compiled in {stats.compile_s:.0f} s, "
@@ -330,8 +371,9 @@ class Accountant:
                 self.cache_path.write_text(json.dumps(self.disk, indent=1))
         return self.cache[key]
 
-    def per_kind(self, n: int) -> dict[tuple[str, str], KindStats]:
-        """``{(optimizer, kind): KindStats}`` for every kind that occurs in the run, at ``N``."""
+    def per_kind(self, n: Workers) -> dict[tuple[str, str], KindStats]:
+        """``{(optimizer, kind): KindStats}`` for every kind that occurs in the run, at ``N``
+        workers (or ``(nodes, local)``: hierarchical)."""
         needed = sorted(self.first_step, key=lambda ok: (OPTIMIZERS.index(ok[0]), ok[1]))
         return {ok: self._compile(n, *ok) for ok in needed}
 
@@ -448,16 +490,78 @@ def limit_check(measured: float, leaf_sizes: Sequence[int], num_workers: int) ->
 _HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-to-all": lambda n: n - 1}
 
 
-def comm_time(stats: KindStats, num_workers: int, gbit_s: float, latency_us: float) -> float:
+def comm_time(
+    stats: KindStats,
+    num_workers: int,
+    gbit_s: float,
+    latency_us: float,
+    links: dict[str, tuple[float, float]] | None = None,
+) -> float:
     """Latency-bandwidth time of one step's collectives: ``hops * latency + sent / bandwidth``.
 
-    Hops: a ring all-reduce takes ``2 (N-1)`` steps, an all-to-all and an all-gather ``N-1``.
+    Hops: a ring all-reduce over a group of ``n`` takes ``2 (n-1)`` steps, an all-to-all and an
+    all-gather ``n-1`` (``n`` the collective's group size, else ``num_workers``). ``links`` maps
+    the mesh axes of a collective (e.g. ``"local"``) to its own ``(Gbit/s, latency us)``; the
+    others use ``gbit_s`` and ``latency_us``.
     """
     total = 0.0
     for c in stats.collectives:
-        hops = _HOPS.get(c["kind"], lambda n: n - 1)(num_workers)
-        total += hops * latency_us * 1e-6 + c["sent_bytes"] * 8 / (gbit_s * 1e9)
+        gbit, latency = (links or {}).get(c.get("axes", ""), (gbit_s, latency_us))
+        hops = _HOPS.get(c["kind"], lambda n: n - 1)(c.get("group_size", num_workers))
+        total += hops * latency * 1e-6 + c["sent_bytes"] * 8 / (gbit * 1e9)
     return total
+
+
+def hierarchical(
+    counts: dict[str, dict[str, int]],
+    flat: dict[tuple[str, str], KindStats],
+    hier: dict[tuple[str, str], KindStats],
+    num_workers: int,
+    compute_s: float,
+    links: Sequence[tuple[str, tuple[float, float], tuple[float, float]]],
+) -> dict[str, dict]:
+    """Per optimizer, over the run and per worker: bytes across nodes and inside them, rounds
+    across nodes, against the same workers as one flat axis; and projected step times for each
+    ``(name, fast, slow)`` of ``links`` (a model: in the flat run every collective spans nodes,
+    so it goes at the ``slow`` link's ``(Gbit/s, latency us)``; in the hierarchical one the
+    collectives over ``local`` go at the ``fast`` link's)."""
+    rows = {}
+    for opt in OPTIMIZERS:
+        across = inside = flat_bytes = 0.0
+        rounds = 0
+        t_flat = dict.fromkeys([name for name, _, _ in links], 0.0)
+        t_hier = dict(t_flat)
+        for kind, count in counts[opt].items():
+            if not count:
+                continue
+            by_axes: dict[str, float] = {}
+            for c in hier[(opt, kind)].collectives:
+                by_axes[c["axes"]] = by_axes.get(c["axes"], 0.0) + c["sent_bytes"]
+            cross = sum(v for axes, v in by_axes.items() if axes != "local")
+            across += count * cross
+            inside += count * by_axes.get("local", 0.0)
+            rounds += count if cross > 0 else 0
+            flat_bytes += count * flat[(opt, kind)].sent_bytes
+            for name, fast, slow in links:
+                t_flat[name] += count * comm_time(flat[(opt, kind)], num_workers, *slow)
+                hier_s = comm_time(hier[(opt, kind)], num_workers, *slow, {"local": fast})
+                t_hier[name] += count * hier_s
+        steps = sum(counts[opt].values())
+        rows[opt] = {
+            "flat_bytes_per_worker": flat_bytes,
+            "across_nodes_bytes_per_worker": across,
+            "inside_node_bytes_per_worker": inside,
+            "rounds_across_nodes": rounds,
+            "across_vs_flat": across / flat_bytes if flat_bytes else 0.0,
+            "projected_step_s": {
+                name: {
+                    "flat": compute_s + t_flat[name] / steps,
+                    "hierarchical": compute_s + t_hier[name] / steps,
+                }
+                for name, _, _ in links
+            },
+        }
+    return rows
 
 
 def project(
@@ -511,6 +615,10 @@ def _bytes(x: float) -> str:
     return f"{x:,.0f} B"
 
 
+def _workers(n: Workers) -> str:
+    return f"{n[0]}x{n[1]}" if isinstance(n, tuple) else str(n)
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
@@ -536,6 +644,48 @@ def print_tables(
                 f"{_pct(r['reduction_vs_onebit']['rounds']):>9}{r['collective_launches']:>10,}"
                 f"{ds['fp32_per_tensor']:>13,}{ds['fp16_1_group']:>11,}{ds['fp16_2_groups']:>11,}"
             )
+
+
+def print_hierarchical(
+    nodes: tuple[int, int],
+    rows: dict[str, dict],
+    links: Sequence[tuple[str, tuple[float, float], tuple[float, float]]],
+    compute_s: float,
+    say: Callable[[str], None] = print,
+) -> None:
+    n = math.prod(nodes)
+    say(
+        f"\nHierarchical, {nodes[0]} nodes x {nodes[1]} workers (fast_axis_name: exact inside a "
+        f"node, compressed across), per worker over the run; flat = the same {n} workers on one "
+        "axis, all of whose collectives span nodes:"
+    )
+    say(
+        f"  {'optimizer':<11}{'flat':>11}{'across nodes':>14}{'vs flat':>9}{'inside node':>13}"
+        f"{'rounds across':>15}"
+    )
+    for opt, r in rows.items():
+        say(
+            f"  {opt:<11}{_bytes(r['flat_bytes_per_worker']):>11}"
+            f"{_bytes(r['across_nodes_bytes_per_worker']):>14}{_pct(r['across_vs_flat']):>9}"
+            f"{_bytes(r['inside_node_bytes_per_worker']):>13}{r['rounds_across_nodes']:>15,}"
+        )
+    say(
+        f"PROJECTION (latency-bandwidth model, not a measurement), {compute_s:.3f} s compute per "
+        "step, links per worker (Gbit/s, latency) inside a node / across nodes; mean step time "
+        "flat -> hierarchical (speedup of hierarchical over flat):"
+    )
+    say(f"  {'optimizer':<11}" + "".join(f"{name:>30}" for name, _, _ in links))
+    say(
+        f"  {'':<11}"
+        + "".join(f"{f'{f[0]:g}/{s[0]:g} ({f[1]:g}/{s[1]:g} us)':>30}" for _, f, s in links)
+    )
+    for opt, r in rows.items():
+        cells = []
+        for name, _, _ in links:
+            t = r["projected_step_s"][name]
+            ratio = t["flat"] / t["hierarchical"]
+            cells.append(f"{t['flat']:.3f} -> {t['hierarchical']:.3f} s (x{ratio:.2f})")
+        say(f"  {opt:<11}" + "".join(f"{c:>30}" for c in cells))
 
 
 def _library_version() -> str:
@@ -582,6 +732,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ib-latency-us", type=float, default=5.0)
     p.add_argument("--plot-workers", type=int, default=64)
     p.add_argument(
+        "--nodes",
+        default="8x8",
+        help="NODESxLOCAL for the hierarchical table (fast_axis_name; '' to skip)",
+    )
+    p.add_argument("--fast-gbit", type=float, default=400.0, help="per worker, inside a node")
+    p.add_argument("--fast-latency-us", type=float, default=2.0)
+    p.add_argument("--slow-gbit", type=float, default=100.0, help="per worker, across nodes")
+    p.add_argument("--slow-latency-us", type=float, default=5.0)
+    p.add_argument(
         "--cache",
         default="results/comm_volume_cache.json",
         help="stats of earlier runs, reused when nothing they depend on changed ('' = none)",
@@ -611,7 +770,8 @@ def plot(path: pathlib.Path, curves: dict[str, dict[str, np.ndarray]], n: int) -
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     workers = sorted(set(args.workers))
-    common.setup_cpu_devices(max(workers))
+    nodes = tuple(int(v) for v in args.nodes.lower().split("x")) if args.nodes else None
+    common.setup_cpu_devices(max(workers + ([math.prod(nodes)] if nodes else [])))
     schedule = Schedule(
         args.steps,
         args.freeze_step,
@@ -698,8 +858,34 @@ def main(argv: list[str] | None = None) -> dict:
                 for name, _, _ in networks
             ]
             say(f"{n:>4} {proj['compute_s']:>9.3f}  " + "  ".join(f"{c:>20}" for c in cells))
+        hier_rows = None
+        if nodes:
+            n = math.prod(nodes)
+            compute = args.compute_time or args.global_batch / n / args.seq_per_s
+            first = (
+                f"{args.fast_gbit:g} / {args.slow_gbit:g} Gbit/s",
+                (args.fast_gbit, args.fast_latency_us),
+                (args.slow_gbit, args.slow_latency_us),
+            )
+            links = [first, *LINK_PAIRS]
+            hier_kind = acct.per_kind(nodes)
+            programs[_workers(nodes)] = {
+                f"{o}/{k}": dataclasses.asdict(s) for (o, k), s in hier_kind.items()
+            }
+            hier_rows = hierarchical(counts, acct.per_kind(n), hier_kind, n, compute, links)
+            print_hierarchical(nodes, hier_rows, links, compute, say)
         out["models"][model] = {
             **info,
+            "hierarchical": hier_rows
+            and {
+                "nodes": nodes[0],
+                "local": nodes[1],
+                "links": [
+                    {"name": name, "fast_gbit_latency_us": f, "slow_gbit_latency_us": s}
+                    for name, f, s in links
+                ],
+                "per_optimizer": hier_rows,
+            },
             "per_workers": {str(n): per_n[n] for n in workers},
             "information_limit": {str(n): v for n, v in limits.items()},
             "projection": {str(n): v for n, v in projections.items()},

@@ -70,6 +70,9 @@ OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam")  # the default run
 # variance), and local Adam (full-precision Adam up to the freeze step, then local steps with 1-bit
 # model averaging on 0/1 Adam's sync schedule; each worker keeps its own moments).
 EXTRA = ("zero_one_adam_psum", "onebit_grad_adam", "local_adam")
+# On a (node, local) mesh (--mesh): 0/1 Adam whose gradients are first averaged inside each node,
+# so that local steps average there too (docs/hierarchical.md, "Local steps").
+MESH_EXTRA = ("zero_one_adam_node_mean",)
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 
 
@@ -94,6 +97,7 @@ class Config:
     clipper: int = 16
     seed: int = 0
     optimizers: tuple[str, ...] = OPTIMIZERS
+    mesh: tuple[int, ...] = ()  # (nodes, local): hierarchical compression; (): 8 flat workers
 
     def schedule(self) -> optax.Schedule:
         return optax.warmup_cosine_decay_schedule(
@@ -129,9 +133,21 @@ def make_workload(cfg: Config) -> workloads.Workload:
     return build(NUM_WORKERS, seed=cfg.seed, **dict(cfg.model))
 
 
+def _mean_inside_node() -> optax.GradientTransformation:
+    """The float mean of the updates over ``local`` (the workers of one node)."""
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        lambda updates, state, params=None: (jax.lax.pmean(updates, "local"), state),
+    )
+
+
 def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
     lr, adam = cfg.schedule(), dict(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     variance, local = cfg.policies()
+    # the compressing optimizers run over the nodes, exact inside each, on a (node, local) mesh
+    axes = (
+        dict(axis_name="node", fast_axis_name="local") if cfg.mesh else dict(axis_name=common.AXIS)
+    )
     if name == "adamw":
         return common.OptimizerSpec(
             name, optax.adamw(lr, weight_decay=cfg.weight_decay, **adam), average_grads=True
@@ -141,42 +157,44 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
             lr,
             weight_decay=cfg.weight_decay,
             freeze_step=variance.freeze_step,
-            axis_name=common.AXIS,
             mask=mask,
+            **axes,
             **adam,
         )
         return common.onebit_spec(name, tx, variance.freeze_step)
-    if name in ("zero_one_adam", "zero_one_adam_psum"):
+    if name in ("zero_one_adam", "zero_one_adam_psum", "zero_one_adam_node_mean"):
         tx = ozo.scale_by_zero_one_adam(
             lr,
             weight_decay=cfg.weight_decay,
             variance_policy=variance,
             local_step_policy=local,
-            axis_name=common.AXIS,
             mask=mask,
             collective="psum" if name.endswith("_psum") else "two_phase",
+            **axes,
             **adam,
         )
+        if name.endswith("_node_mean"):
+            if not cfg.mesh:
+                raise ValueError(f"{name} needs a (node, local) mesh: pass --mesh")
+            tx = optax.chain(_mean_inside_node(), tx)
         return common.zero_one_spec(name, tx, variance, local)
     if name == "onebit_grad_adam":
         inner = optax.chain(
-            ozo.onebit_mean(common.AXIS, mask=mask),
+            ozo.onebit_mean(mask=mask, **axes),
             optax.adamw(lr, weight_decay=cfg.weight_decay, **adam),
         )
         return common.OptimizerSpec(
-            name, ozo.flatten(inner, common.AXIS), False, ("compressed",), lambda state: 0
+            name, ozo.flatten(inner, **axes), False, ("compressed",), lambda state: 0
         )
     if name == "local_adam":
         warmup = ozo.FullPrecisionWarmup(variance.freeze_step)
         inner = optax.chain(
-            ozo.scheduled_mean(common.AXIS, warmup, compressed_steps=False),
+            ozo.scheduled_mean(variance_policy=warmup, compressed_steps=False, **axes),
             optax.adamw(lr, weight_decay=cfg.weight_decay, **adam),
         )
-        tx = ozo.local_step_sync(
-            inner, local, common.AXIS, start_step=warmup.freeze_step, mask=mask
-        )
-        return common.zero_one_spec(name, ozo.flatten(tx, common.AXIS), warmup, local)
-    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS + EXTRA}")
+        tx = ozo.local_step_sync(inner, local, start_step=warmup.freeze_step, mask=mask, **axes)
+        return common.zero_one_spec(name, ozo.flatten(tx, **axes), warmup, local)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS + EXTRA + MESH_EXTRA}")
 
 
 # Compiled programs, per configuration without its seed (the seed changes data, not programs),
@@ -192,12 +210,13 @@ def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, a
         start = time.perf_counter()
         step = jax.jit(common.make_step(spec, workload.loss, mesh), donate_argnums=(0, 1))
         step = step.lower(*args).compile()
+        axes = common.worker_axes(mesh)
         evaluate = jax.jit(
             ozo.on_workers(
-                lambda p, s, b: workload.eval_sums(ozo.synchronized_params(p, s), b), mesh
+                lambda p, s, b: workload.eval_sums(ozo.synchronized_params(p, s), b), mesh, axes
             )
         )
-        evaluate = evaluate.lower(args[0], args[1], ozo.to_workers(workload.eval_batch, mesh))
+        evaluate = evaluate.lower(args[0], args[1], ozo.to_workers(workload.eval_batch, mesh, axes))
         # The bytes of each kind depend on the shapes and the kinds, not on the learning rate:
         # one traffic table per configuration without its rate.
         traffic = _TRAFFIC.setdefault((dataclasses.replace(key[0], peak_lr=0.0), name), {})
@@ -209,14 +228,17 @@ def train(
     name: str, cfg: Config, workload: workloads.Workload, mesh: Any, progress: bool = True
 ) -> dict[str, Any]:
     """Trains one optimizer; returns its curves, step kinds, traffic and timings."""
-    init = jax.jit(ozo.on_workers(lambda p: make_spec(name, cfg, workload.mask).tx.init(p), mesh))
-    params = ozo.to_workers(ozo.replicate(workload.init_params(cfg.seed), NUM_WORKERS), mesh)
+    axes = common.worker_axes(mesh)
+    spec_of = lambda: make_spec(name, cfg, workload.mask)  # noqa: E731
+    init = jax.jit(ozo.on_workers(lambda p: spec_of().tx.init(p), mesh, axes))
+    params = ozo.replicate(workload.init_params(cfg.seed), NUM_WORKERS)
+    params = ozo.to_workers(params, mesh, axes)
     state = init(params)
-    batch = ozo.to_workers(workload.train_batch(0), mesh)
+    batch = ozo.to_workers(workload.train_batch(0), mesh, axes)
     spec, step, evaluate, compile_s, traffic_cache = _programs(
         cfg, name, workload, mesh, (params, state, batch)
     )
-    eval_batch = ozo.to_workers(workload.eval_batch, mesh)
+    eval_batch = ozo.to_workers(workload.eval_batch, mesh, axes)
 
     def validate(params: Any, state: Any) -> dict[str, float]:
         sums = {
@@ -230,7 +252,7 @@ def train(
     bar = _progress(range(cfg.steps), name, progress)
     for i in bar:
         start = time.perf_counter()
-        batch = ozo.to_workers(workload.train_batch(i), mesh)
+        batch = ozo.to_workers(workload.train_batch(i), mesh, axes)
         params, state, loss, kind = common.run_step(step, params, state, batch)
         kind = np.asarray(kind)
         if not (kind == kind[0]).all():
@@ -261,7 +283,17 @@ def train(
     return {
         "final_val": val_metrics[-1],
         "bytes_per_worker": float(sent[-1]),
+        "bytes_per_worker_by_axes": {
+            axis: float(
+                sum(counts[k] * dict(t.per_axis).get(axis, 0.0) for k, t in traffic.items())
+            )
+            for axis in sorted({a for t in traffic.values() for a, _ in t.per_axis})
+        },
         "rounds": int(sum(counts[k] for k, t in traffic.items() if t.launches > 0)),
+        "rounds_by_axes": {
+            axis: int(sum(counts[k] for k, t in traffic.items() if dict(t.per_axis).get(axis)))
+            for axis in sorted({a for t in traffic.values() for a, _ in t.per_axis})
+        },
         "steps_per_kind": {spec.kind_names[k]: int(c) for k, c in enumerate(counts) if c},
         "traffic_per_kind": {
             t.name: {
@@ -304,15 +336,20 @@ def _progress(steps: range, name: str, enabled: bool) -> Any:
 def run(cfg: Config, progress: bool = True) -> dict[str, Any]:
     """Trains every optimizer of ``cfg`` and returns the JSON-ready result (no files written)."""
     common.setup_cpu_devices(NUM_WORKERS)
-    mesh = ozo.worker_mesh(common.AXIS, NUM_WORKERS)
+    flat_mesh = ozo.worker_mesh(common.AXIS, NUM_WORKERS)
+    mesh = common.node_mesh(*cfg.mesh) if cfg.mesh else flat_mesh
     workload = make_workload(cfg)
     variance, local = cfg.policies()
     start, cpu = time.perf_counter(), time.process_time()
     runs = {name: train(name, cfg, workload, mesh, progress) for name in cfg.optimizers}
+    if cfg.mesh:  # the flat 8-worker run of the same configuration, for comparison
+        flat = dataclasses.replace(cfg, mesh=())
+        runs["zero_one_adam_flat"] = train("zero_one_adam", flat, workload, flat_mesh, progress)
     result = {
         "benchmark": "convergence",
         "workload": workload.description,
         "num_workers": NUM_WORKERS,
+        "mesh": {"node": cfg.mesh[0], "local": cfg.mesh[1]} if cfg.mesh else None,
         "config": {**dataclasses.asdict(cfg), "model": dict(cfg.model)},
         "policies": {
             "freeze_step": variance.freeze_step,
@@ -345,6 +382,12 @@ def kind_steps(cfg: Config, kind: str) -> np.ndarray:
 def summarize(runs: dict[str, Any]) -> dict[str, float]:
     """Gaps to AdamW (%, of the final validation loss) and communication reductions (%)."""
     out: dict[str, float] = {}
+    if "zero_one_adam_flat" in runs:  # hierarchical runs against the flat 8-worker one
+        base = runs["zero_one_adam_flat"]["final_val"]["loss"]
+        for name, r in runs.items():
+            if name != "zero_one_adam_flat":
+                gap = 100 * (r["final_val"]["loss"] - base) / base
+                out[f"{name}_gap_to_flat_pct"] = round(gap, 3)
     if "adamw" in runs:
         base = runs["adamw"]["final_val"]["loss"]
         for name, r in runs.items():
@@ -391,6 +434,8 @@ def table(result: dict[str, Any]) -> str:
     runs = result["runs"]
     extra = [k for k in next(iter(runs.values()))["final_val"] if k != "loss"]
     head = ["optimizer", "final val loss", *extra, "gap to AdamW", "MB/worker", "rounds", "s/step"]
+    if result.get("mesh"):  # what crosses nodes, and what stays inside them
+        head += ["MB over node", "MB over local", "rounds over node"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in runs.items():
         gap = r.get("gap_to_adamw_pct")
@@ -403,6 +448,17 @@ def table(result: dict[str, Any]) -> str:
             f"{r['rounds']:,}",
             f"{r['seconds']['per_step']:.3f}",
         ]
+        if result.get("mesh"):
+            axes, rounds = r["bytes_per_worker_by_axes"], r["rounds_by_axes"]
+            cells += (
+                [
+                    f"{axes.get('node', 0.0) / 1e6:,.1f}",
+                    f"{axes.get('local', 0.0) / 1e6:,.1f}",
+                    f"{rounds.get('node', 0):,}",
+                ]
+                if "node" in axes
+                else ["-"] * 3  # the flat run has one axis: see MB/worker
+            )
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -462,7 +518,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kappa", type=int, help="0/1 Adam's var_update_scaler")
     parser.add_argument("--lr", type=float, help="override the peak learning rate")
     parser.add_argument(
-        "--optimizers", nargs="+", choices=OPTIMIZERS + EXTRA, default=list(OPTIMIZERS)
+        "--optimizers", nargs="+", choices=OPTIMIZERS + EXTRA + MESH_EXTRA, default=list(OPTIMIZERS)
+    )
+    parser.add_argument(
+        "--mesh",
+        help="NODESxLOCAL, e.g. 2x4: the compressing optimizers compress across nodes only "
+        "(exact inside each); the flat 8-worker 0/1 Adam runs too, for comparison",
     )
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--no-progress", action="store_true")
@@ -482,6 +543,10 @@ def main(argv: list[str] | None = None) -> None:
         overrides["kappa"] = args.kappa
     if args.lr:
         overrides["peak_lr"] = args.lr
+    if args.mesh:
+        overrides["mesh"] = tuple(int(v) for v in args.mesh.lower().split("x"))
+        if len(overrides["mesh"]) != 2 or overrides["mesh"][0] * overrides["mesh"][1] != 8:
+            parser.error(f"--mesh must be NODESxLOCAL with 8 workers in all, got {args.mesh}")
     cfg = dataclasses.replace(cfg, **overrides)
     variance, local = cfg.policies()
     print(make_workload(cfg).description)
@@ -493,6 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     result = run(cfg, progress=not args.no_progress)
     stem = "convergence" + ("" if args.workload == "char_lm" else f"_{args.workload}")
+    stem += f"_{args.mesh.lower()}" if args.mesh else ""
     stem += "_quick" if args.quick else ""
     paths = write(result, args.out_dir, stem)
     print()

@@ -24,6 +24,7 @@ worker's update must see its *local* gradient. :class:`DataParallel` does the co
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -48,6 +49,11 @@ class ShardLocalState(NamedTuple):
     inner: Any
 
 
+def _names(axis: str | tuple) -> tuple[str, ...]:
+    """A mesh axis or tuple of axes (a ``PartitionSpec`` entry) as a tuple of names."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
 def _spec_axes(spec: P) -> set[str]:
     axes: set[str] = set()
     for entry in spec:
@@ -70,24 +76,35 @@ class DataParallel:
 
     Attributes:
       mesh: the device mesh (``jax.sharding.Mesh``), ``Auto`` axes.
-      data_axis: the mesh axis of the data workers: the ``axis_name`` of the optimizer.
+      data_axis: the mesh axis of the data workers: the ``axis_name`` of the optimizer; or a
+        pair such as ``("node", "local")`` for hierarchical compression (the optimizer built
+        with ``axis_name="node", fast_axis_name="local"``; ``docs/hierarchical.md``).
       param_specs: a tree like the params of ``PartitionSpec``\\ s over the *other* axes (how
         a jit user shards each leaf; ``P()``: replicated).
     """
 
     mesh: jax.sharding.Mesh
-    data_axis: str
+    data_axis: str | tuple[str, ...]
     param_specs: Any
 
     @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The data axis as a tuple of mesh axis names."""
+        return _names(self.data_axis)
+
+    def _sized(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """``axes`` without those of size 1 (JAX drops them from a sharding's spec)."""
+        return tuple(a for a in axes if self.mesh.shape[a] > 1)
+
+    @property
     def num_workers(self) -> int:
-        """The number of data workers (the size of the data axis)."""
-        return self.mesh.shape[self.data_axis]
+        """The number of data workers (the product of the data axes' sizes)."""
+        return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
     @property
     def other_axes(self) -> tuple[str, ...]:
         """The mesh axes other than the data axis."""
-        return tuple(a for a in self.mesh.axis_names if a != self.data_axis)
+        return tuple(a for a in self.mesh.axis_names if a not in self.data_axes)
 
     @property
     def model_sharded(self) -> bool:
@@ -153,7 +170,8 @@ class DataParallel:
             )
             ok = len(shape) >= 1 and shape[0] == self.num_workers
             if not isinstance(x, jax.core.Tracer):  # traced (e.g. comm_stats): shapes only
-                ok = ok and spec is not None and len(spec) >= 1 and spec[0] == self.data_axis
+                ok = ok and spec is not None and len(spec) >= 1
+                ok = ok and self._sized(_names(spec[0] or ())) == self._sized(self.data_axes)
             if not ok:
                 raise ValueError(
                     f"{what} is not in the worker layout: leaf {_leaf_name(path)} has shape "
@@ -257,7 +275,7 @@ class DataParallel:
             mesh=self.mesh,
             in_specs=P(self.data_axis),
             out_specs=P(self.data_axis),
-            axis_names={self.data_axis},
+            axis_names=set(self.data_axes),
         )
 
     # ------------------------------------------------------------------ the step
@@ -326,7 +344,9 @@ class DataParallel:
         )(params, opt_state)
 
 
-def data_parallel(mesh: jax.sharding.Mesh, params: Any, data_axis: str = "data") -> DataParallel:
+def data_parallel(
+    mesh: jax.sharding.Mesh, params: Any, data_axis: str | tuple[str, ...] = "data"
+) -> DataParallel:
     """A :class:`DataParallel` for ``params`` (as a jit user holds them) on ``mesh``.
 
     Args:
@@ -336,7 +356,9 @@ def data_parallel(mesh: jax.sharding.Mesh, params: Any, data_axis: str = "data")
         ``NamedSharding`` over ``mesh`` (replicated over the data axis), host arrays (taken as
         replicated), or ``PartitionSpec``\\ s directly.
       data_axis: the mesh axis of the data workers; build the optimizer with
-        ``axis_name=data_axis``.
+        ``axis_name=data_axis``. Or a pair ``(slow, fast)`` of axes, e.g. ``("node", "local")``:
+        the workers are the devices of both (worker ``node * local_size + local``); build the
+        optimizer with ``axis_name=slow, fast_axis_name=fast`` (``docs/hierarchical.md``).
 
     Returns:
       The :class:`DataParallel` helper.
@@ -348,7 +370,8 @@ def data_parallel(mesh: jax.sharding.Mesh, params: Any, data_axis: str = "data")
       >>> opt_state = dp.init(tx, params_w)
       >>> train_step = dp.jit(step)  # step(params, opt_state, batch) -> (params, opt_state, aux)
     """
-    if not isinstance(data_axis, str) or data_axis not in mesh.axis_names:
+    names = _names(data_axis) if isinstance(data_axis, str | tuple) else ()
+    if not names or not set(names) <= set(mesh.axis_names) or len(set(names)) != len(names):
         raise ValueError(
             f"the mesh has axes {mesh.axis_names} and no data axis {data_axis!r}: make a mesh "
             f"with a data axis, e.g. jax.make_mesh(({mesh.size}, 1), ({data_axis!r}, 'model'), "
@@ -378,7 +401,7 @@ def data_parallel(mesh: jax.sharding.Mesh, params: Any, data_axis: str = "data")
             spec = x.sharding.spec
         else:
             spec = P()
-        if data_axis in _spec_axes(spec):
+        if set(names) & _spec_axes(spec):
             raise ValueError(
                 f"param {_leaf_name(path)} is sharded over the data axis {data_axis!r} ({spec}): "
                 "every data worker keeps a whole copy of its params (and they differ during "

@@ -18,6 +18,7 @@ Nothing here sets JAX's configuration: ask for simulated CPU devices before JAX 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -112,7 +113,10 @@ def worker_mesh(
     )
 
 
-def _axis(mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
+WorkerAxes = str | tuple[str, ...] | None
+
+
+def _axis(mesh: jax.sharding.Mesh, axis_name: WorkerAxes) -> str | tuple[str, ...]:
     if axis_name is None:
         if len(mesh.axis_names) != 1:
             raise ValueError(f"mesh axes {mesh.axis_names}: pass the worker axis_name")
@@ -120,7 +124,12 @@ def _axis(mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
     return axis_name
 
 
-def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: str | None = None) -> Any:
+def _num_workers(mesh: jax.sharding.Mesh, axis: str | tuple[str, ...]) -> int:
+    """Workers on ``axis`` (the product of the sizes of a tuple of axes)."""
+    return math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+
+
+def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = None) -> Any:
     """Places a tree in the worker layout: a leading worker axis sharded over the mesh.
 
     ``values`` is either the whole tree, whose leaves have a leading axis of one row per
@@ -132,7 +141,8 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: str | None = Non
     Args:
       values: a tree of arrays with a leading worker axis, or a function of the worker index.
       mesh: the worker mesh (:func:`worker_mesh`).
-      axis_name: the mesh axis of the workers (default: the mesh's only axis).
+      axis_name: the mesh axis of the workers (default: the mesh's only axis), or a tuple of
+        axes, e.g. ``("node", "local")`` (worker ``node * local_size + local``).
 
     Returns:
       The tree as ``jax.Array``s sharded ``P(axis_name)`` over ``mesh``.
@@ -143,7 +153,7 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: str | None = Non
     """
     axis = _axis(mesh, axis_name)
     sharding = NamedSharding(mesh, P(axis))
-    n = mesh.shape[axis]
+    n = _num_workers(mesh, axis)
     if not callable(values):
         if sharding.is_fully_addressable:
             return jax.device_put(values, sharding)
@@ -231,7 +241,7 @@ def local_rows(tree: Any) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def on_workers(
-    fn: Callable[..., Any], mesh: jax.sharding.Mesh, axis_name: str | None = None
+    fn: Callable[..., Any], mesh: jax.sharding.Mesh, axis_name: WorkerAxes = None
 ) -> Callable[..., Any]:
     """One worker's function lifted to the worker layout with ``jax.shard_map``.
 
@@ -244,7 +254,8 @@ def on_workers(
     Args:
       fn: ``(*one worker's trees) -> one worker's trees``.
       mesh: the worker mesh (:func:`worker_mesh`).
-      axis_name: the mesh axis of the workers (default: the mesh's only axis).
+      axis_name: the mesh axis of the workers (default: the mesh's only axis), or a tuple of
+        axes such as ``("node", "local")`` for hierarchical compression.
 
     Returns:
       ``fn`` on trees in the worker layout.

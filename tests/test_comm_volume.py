@@ -120,3 +120,38 @@ def test_projection_is_compute_plus_bytes_over_bandwidth(accountant):
     f, fp, c = float_step_bytes(N), float_step_bytes(N, padded=True), one_bit_step_bytes(N)
     assert proj["mean_step_s"][cv.ZERO_ONE] == pytest.approx(0.25 + (9 * fp + 49 * c) / 1e9 / 68)
     assert proj["mean_step_s"][cv.ADAM] == pytest.approx(0.25 + f / 1e9)
+
+
+def test_hierarchical_programs_send_what_the_formulas_say(accountant):
+    """On 2 nodes x 4 workers: the classes, and the bytes over each axis from docs/hierarchical.md
+    (the layout's width C for all 8 workers; S = 2 nodes, L = 4 workers per node)."""
+    s, per_node, n = 2, 4, 8
+    unit = n * math.lcm(n, 8)
+    width = sum(-(-size // unit) * unit for size in SIZES) // n  # C (blocks of 8 add nothing)
+    reply = width // 8 + 4 * LEAVES  # one server's packed chunk and its scales
+    want = {
+        cv.FLOAT_H: {
+            "local": (per_node - 1) / per_node * 4 * n * width + (per_node - 1) * 4 * s * width,
+            "node": 2 * (s - 1) / s * 4 * s * width,
+        },
+        cv.ONE_BIT_H: {
+            "local": (per_node - 1) / per_node * 4 * n * width + (per_node - 1) * s * reply,
+            "node": (s - 1) / s * s * reply + (s - 1) * reply,
+        },
+    }
+    per_kind = accountant.per_kind((s, per_node))
+    for (opt, kind), stats in per_kind.items():
+        assert stats.comm_class == cv.expected_class(opt, kind, (s, per_node)), (opt, kind)
+        by_axes = {}
+        for c in stats.collectives:
+            by_axes[c["axes"]] = by_axes.get(c["axes"], 0.0) + c["sent_bytes"]
+        if stats.comm_class in want:
+            assert by_axes == pytest.approx(want[stats.comm_class]), (opt, kind)
+    rows = cv.hierarchical(
+        COUNTS, accountant.per_kind(n), per_kind, n, 0.0, [("x", (8, 0), (8, 0))]
+    )
+    zero_one = rows[cv.ZERO_ONE]
+    assert zero_one["across_nodes_bytes_per_worker"] == pytest.approx(
+        9 * want[cv.FLOAT_H]["node"] + 49 * want[cv.ONE_BIT_H]["node"]
+    )
+    assert zero_one["rounds_across_nodes"] == 9 + 49

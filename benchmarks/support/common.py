@@ -41,6 +41,19 @@ from jax.sharding import PartitionSpec as P
 import optax_zero_one as ozo
 
 AXIS = "w"
+NODE_AXES = ("node", "local")  # a two-level mesh: nodes, and workers inside a node
+
+
+def worker_axes(mesh: jax.sharding.Mesh) -> str | tuple[str, ...]:
+    """The mesh axes the workers run over: the only one of a 1-D mesh, else all of them (a
+    worker is a device; e.g. ``("node", "local")``, worker ``node * local_size + local``)."""
+    names = tuple(mesh.axis_names)
+    return names[0] if len(names) == 1 else names
+
+
+def node_mesh(nodes: int, local: int) -> jax.sharding.Mesh:
+    """A ``("node", "local")`` mesh of ``nodes x local`` simulated devices."""
+    return jax.make_mesh((nodes, local), NODE_AXES, devices=jax.devices()[: nodes * local])
 
 
 def setup_cpu_devices(count: int) -> int:
@@ -137,17 +150,19 @@ def make_step(
     kind's traffic; not for training). Not jitted: wrap it in ``jax.jit`` (and donate).
     """
 
+    axes = worker_axes(mesh)
+
     def step(params: Any, state: Any, batch: Any) -> Any:
         if pinned_step is not None and spec.pin is not None:
             state = spec.pin(state, pinned_step)
         kind = jnp.asarray(spec.kind(state), jnp.int32)
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         if spec.average_grads:
-            grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), AXIS)
+            grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), axes)
         updates, state = spec.tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss, kind
 
-    return ozo.on_workers(step, mesh)
+    return ozo.on_workers(step, mesh, axes)
 
 
 def run_step(step: Callable[..., Any], *args: Any) -> Any:
@@ -163,6 +178,7 @@ class KindTraffic:
     sent_bytes: float
     launches: int
     collectives: tuple[str, ...]
+    per_axis: tuple[tuple[str, float], ...] = ()  # ("node", bytes), ("local", bytes), ...
 
 
 def traffic_per_kind(
@@ -213,6 +229,7 @@ def traffic_per_kind(
             stats.sent_bytes_per_device,
             stats.launches,
             tuple(f"{c.kind}[{','.join(c.dtypes)}]" for c in stats.collectives),
+            tuple(("+".join(axes), sent) for axes, sent in stats.sent_bytes_by_axes(mesh).items()),
         )
     return out
 
@@ -237,7 +254,7 @@ def worker_specs(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """``ShapeDtypeStruct``s of one worker's ``tree`` with a leading worker axis sharded over
     ``mesh`` (the worker layout, for compiling without allocating)."""
     n = mesh.devices.size
-    sharding = NamedSharding(mesh, P(AXIS))
+    sharding = NamedSharding(mesh, P(worker_axes(mesh)))
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)), x.dtype, sharding=sharding), tree
     )
@@ -255,7 +272,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 def update_comm_stats(
     spec: OptimizerSpec,
     params: Any,
-    num_workers: int,
+    num_workers: int | tuple[int, int],
     step: int | None = None,
     compiler_options: dict[str, Any] | None = None,
 ) -> ozo.CommStats:
@@ -271,7 +288,8 @@ def update_comm_stats(
     Args:
       spec: the optimizer (see :func:`zero_one_spec`, :func:`onebit_spec`).
       params: one worker's parameters (arrays or ``jax.ShapeDtypeStruct``).
-      num_workers: ``N``; the mesh is the first ``N`` devices.
+      num_workers: ``N``; the mesh is the first ``N`` devices. A pair ``(nodes, local)``
+        makes it a :func:`node_mesh` (build ``spec.tx`` with ``fast_axis_name="local"``).
       step: the 1-based step to pin, or ``None`` to keep the counters as inputs.
       compiler_options: XLA options for the compile, e.g. :data:`FAST_COMPILE` (the HLO passes
         that place and combine collectives run either way; only code generation is cheaper).
@@ -279,7 +297,11 @@ def update_comm_stats(
     Returns:
       The :class:`optax_zero_one.CommStats` of the optimised program.
     """
-    mesh = ozo.worker_mesh(AXIS, num_workers)
+    if isinstance(num_workers, tuple):
+        mesh = node_mesh(*num_workers)
+    else:
+        mesh = ozo.worker_mesh(AXIS, num_workers)
+    axes = worker_axes(mesh)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     state = jax.eval_shape(spec.tx.init, shapes)
 
@@ -287,13 +309,13 @@ def update_comm_stats(
         if step is not None and spec.pin is not None:
             state = spec.pin(state, step)
         if spec.average_grads:
-            grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), AXIS)
+            grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), axes)
         return spec.tx.update(grads, state, params)
 
     args = (worker_specs(shapes, mesh), worker_specs(state, mesh), worker_specs(shapes, mesh))
     if compiler_options is None:
-        return ozo.comm_stats(ozo.on_workers(update, mesh), *args)
-    lowered = jax.jit(ozo.on_workers(update, mesh)).lower(*args)
+        return ozo.comm_stats(ozo.on_workers(update, mesh, axes), *args)
+    lowered = jax.jit(ozo.on_workers(update, mesh, axes)).lower(*args)
     return ozo.parse_hlo(lowered.compile(compiler_options=compiler_options).as_text())
 
 
