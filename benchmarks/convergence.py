@@ -38,8 +38,15 @@ number of steps of that kind. The compressing optimizers get the workload's mask
 whose gradient is always exactly zero (``digits``: the constant corner pixels; ``char_lm``:
 none).
 
+With ``--mesh 2x4`` the 8 workers are 2 nodes of 4 (``("node", "local")``) and the compressing
+optimizers take ``fast_axis_name="local"`` (``docs/hierarchical.md``): exact means inside a node,
+1-bit only across nodes. The flat 8-worker 0/1 Adam runs in the same process for comparison, and
+bytes and rounds are reported per mesh axis and across nodes (:func:`across_nodes`).
+``zero_one_adam_node_mean`` (``--optimizers``, with ``--mesh``) also averages the gradients inside
+each node at every step, so that local steps are node-wide.
+
 Writes ``results/convergence.json``, ``.png`` and ``.md`` (``--quick``: ``convergence_quick.*``;
-``--workload digits``: ``convergence_digits*.*``).
+``--workload digits``: ``convergence_digits*.*``; ``--mesh 2x4``: ``convergence_2x4.*``).
 """
 
 from __future__ import annotations
@@ -224,10 +231,28 @@ def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, a
     return _PROGRAMS[key]
 
 
+def across_nodes(traffic: common.KindTraffic, nodes: tuple[int, ...]) -> float:
+    """Bytes one worker sends across nodes in a step of this kind, on ``nodes = (S, L)``: what
+    a hierarchical program sends over axes other than ``local``; for a flat program, the share
+    ``(N-L)/(N-1)`` of its bytes that goes to the workers of other nodes (exact for the
+    all-to-all and all-gather of a 1-bit step, an estimate for a ring all-reduce)."""
+    per_axis = dict(traffic.per_axis)
+    if "node" in per_axis or "local" in per_axis:
+        return float(sum(v for axis, v in per_axis.items() if axis != "local"))
+    n = nodes[0] * nodes[1]
+    return traffic.sent_bytes * (n - nodes[1]) / (n - 1)
+
+
 def train(
-    name: str, cfg: Config, workload: workloads.Workload, mesh: Any, progress: bool = True
+    name: str,
+    cfg: Config,
+    workload: workloads.Workload,
+    mesh: Any,
+    progress: bool = True,
+    nodes: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """Trains one optimizer; returns its curves, step kinds, traffic and timings."""
+    """Trains one optimizer; returns its curves, step kinds, traffic and timings (with
+    ``nodes = (S, L)``, also the bytes across nodes of that cluster: :func:`across_nodes`)."""
     axes = common.worker_axes(mesh)
     spec_of = lambda: make_spec(name, cfg, workload.mask)  # noqa: E731
     init = jax.jit(ozo.on_workers(lambda p: spec_of().tx.init(p), mesh, axes))
@@ -280,6 +305,10 @@ def train(
     sent = np.cumsum(common.bytes_per_step(kinds, traffic))
     counts = np.bincount(kinds, minlength=len(spec.kind_names))
     train_s, step_s = float(np.sum(step_s)), np.asarray(step_s)
+    across = {}
+    if nodes:
+        cum = np.cumsum([across_nodes(traffic[k], nodes) for k in kinds])
+        across = {"bytes_across_nodes": [0.0 if s == 0 else float(cum[s - 1]) for s in val_steps]}
     return {
         "final_val": val_metrics[-1],
         "bytes_per_worker": float(sent[-1]),
@@ -320,6 +349,7 @@ def train(
         "val": {
             "step": val_steps,
             "bytes": [0.0 if s == 0 else float(sent[s - 1]) for s in val_steps],
+            **across,
             **{k: [round(m[k], 5) for m in val_metrics] for k in val_metrics[0]},
         },
     }
@@ -341,10 +371,13 @@ def run(cfg: Config, progress: bool = True) -> dict[str, Any]:
     workload = make_workload(cfg)
     variance, local = cfg.policies()
     start, cpu = time.perf_counter(), time.process_time()
-    runs = {name: train(name, cfg, workload, mesh, progress) for name in cfg.optimizers}
+    nodes = cfg.mesh
+    runs = {name: train(name, cfg, workload, mesh, progress, nodes) for name in cfg.optimizers}
     if cfg.mesh:  # the flat 8-worker run of the same configuration, for comparison
         flat = dataclasses.replace(cfg, mesh=())
-        runs["zero_one_adam_flat"] = train("zero_one_adam", flat, workload, flat_mesh, progress)
+        runs["zero_one_adam_flat"] = train(
+            "zero_one_adam", flat, workload, flat_mesh, progress, nodes
+        )
     result = {
         "benchmark": "convergence",
         "workload": workload.description,
@@ -435,7 +468,7 @@ def table(result: dict[str, Any]) -> str:
     extra = [k for k in next(iter(runs.values()))["final_val"] if k != "loss"]
     head = ["optimizer", "final val loss", *extra, "gap to AdamW", "MB/worker", "rounds", "s/step"]
     if result.get("mesh"):  # what crosses nodes, and what stays inside them
-        head += ["MB over node", "MB over local", "rounds over node"]
+        head += ["MB across nodes", "MB over local", "rounds across nodes"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in runs.items():
         gap = r.get("gap_to_adamw_pct")
@@ -450,15 +483,12 @@ def table(result: dict[str, Any]) -> str:
         ]
         if result.get("mesh"):
             axes, rounds = r["bytes_per_worker_by_axes"], r["rounds_by_axes"]
-            cells += (
-                [
-                    f"{axes.get('node', 0.0) / 1e6:,.1f}",
-                    f"{axes.get('local', 0.0) / 1e6:,.1f}",
-                    f"{rounds.get('node', 0):,}",
-                ]
-                if "node" in axes
-                else ["-"] * 3  # the flat run has one axis: see MB/worker
-            )
+            across = r["val"]["bytes_across_nodes"][-1]
+            cells += [
+                f"{across / 1e6:,.1f}",
+                f"{axes.get('local', 0.0) / 1e6:,.1f}" if "local" in axes else "-",
+                f"{rounds.get('node', r['rounds']):,}",
+            ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -470,17 +500,20 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     for name, r in result["runs"].items():
         val = r["val"]
         (line,) = by_step.plot(val["step"], val["loss"], marker=".", label=name)
-        mb = np.asarray(val["bytes"][1:]) / 1e6
+        mb = np.asarray(val.get("bytes_across_nodes", val["bytes"])[1:]) / 1e6
         by_bytes.plot(mb, val["loss"][1:], marker=".", color=line.get_color(), label=name)
     by_step.set(xlabel="step", ylabel="validation loss", title="validation loss vs steps")
+    across = "across nodes " if result.get("mesh") else ""
     by_bytes.set(
-        xlabel="MB sent per worker (log)", ylabel="validation loss", xscale="log",
-        title="validation loss vs communication",
+        xlabel=f"MB sent per worker {across}(log)", ylabel="validation loss", xscale="log",
+        title=f"validation loss vs communication {across}".strip(),
     )  # fmt: skip
     for ax in (by_step, by_bytes):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{NUM_WORKERS} workers: {result['workload'].split(';')[0]}", fontsize=9)
+    mesh = result.get("mesh")
+    shape = f" as {mesh['node']} nodes x {mesh['local']}" if mesh else ""
+    fig.suptitle(f"{NUM_WORKERS} workers{shape}: {result['workload'].split(';')[0]}", fontsize=9)
     common.save_figure(fig, path)
 
 

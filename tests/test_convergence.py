@@ -138,3 +138,28 @@ def test_same_seed_same_losses_other_seed_other_losses(result):
         other["runs"]["zero_one_adam"]["train_loss"]
         != result["runs"]["zero_one_adam"]["train_loss"]
     )
+
+
+def test_two_by_four_mesh_compresses_across_nodes_only():
+    """--mesh 2x4: 0/1 Adam with fast_axis_name, and the flat run beside it, per-axis bytes."""
+    data = cv.run(dataclasses.replace(TINY, mesh=(2, 4), optimizers=("zero_one_adam",)), False)
+    hier, flat = data["runs"]["zero_one_adam"], data["runs"]["zero_one_adam_flat"]
+    assert data["mesh"] == {"node": 2, "local": 4}
+    assert hier["steps_per_kind"] == flat["steps_per_kind"]
+    by_axes = hier["bytes_per_worker_by_axes"]
+    assert set(by_axes) == {"node", "local"}
+    assert sum(by_axes.values()) == pytest.approx(hier["bytes_per_worker"])
+    assert hier["rounds_by_axes"] == {"node": TINY.steps - 8, "local": TINY.steps - 8}
+    # across nodes: the share of a 4-worker node, ~1/4 of what the flat optimizer sends there
+    across, flat_across = (
+        hier["val"]["bytes_across_nodes"][-1],
+        flat["val"]["bytes_across_nodes"][-1],
+    )
+    assert across == pytest.approx(by_axes["node"])
+    assert flat_across == pytest.approx(flat["bytes_per_worker"] * 4 / 7)
+    assert 0.2 * flat_across < across < 0.3 * flat_across
+    # the first 8 steps are variance steps: exact means, the same course up to rounding
+    assert hier["val"]["step"][1] == 8
+    assert hier["val"]["loss"][1] == pytest.approx(flat["val"]["loss"][1], rel=1e-4)
+    assert "zero_one_adam_gap_to_flat_pct" in data["summary"]
+    assert "MB across nodes" in cv.table(data)
