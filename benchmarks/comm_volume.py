@@ -615,6 +615,22 @@ def _bytes(x: float) -> str:
     return f"{x:,.0f} B"
 
 
+def error_buffer_bytes(optimizer: str, schedule: Schedule, params: Any, n: Workers) -> int:
+    """Bytes per worker of ``optimizer``'s error-feedback buffers (every
+    :class:`optax_zero_one.OnebitMeanState` in its state), from ``init``'s shapes."""
+    if optimizer == ADAM:
+        return 0
+    state = jax.eval_shape(optimizer_spec(optimizer, schedule, n).tx.init, params)
+    buffers = jax.tree.leaves(
+        [s for s in jax.tree.leaves(state, is_leaf=_is_errors) if _is_errors(s)]
+    )
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in buffers))
+
+
+def _is_errors(x: Any) -> bool:
+    return isinstance(x, ozo.OnebitMeanState)
+
+
 def _workers(n: Workers) -> str:
     return f"{n[0]}x{n[1]}" if isinstance(n, tuple) else str(n)
 
@@ -669,6 +685,14 @@ def print_hierarchical(
             f"{_bytes(r['across_nodes_bytes_per_worker']):>14}{_pct(r['across_vs_flat']):>9}"
             f"{_bytes(r['inside_node_bytes_per_worker']):>13}{r['rounds_across_nodes']:>15,}"
         )
+    say("  error-feedback buffers per worker (from init's shapes), flat -> hierarchical:")
+    for opt, r in rows.items():
+        e = r.get("error_buffer_bytes")
+        if e and e["flat"]:
+            say(
+                f"  {opt:<11}{_bytes(e['flat']):>11} -> {_bytes(e['hierarchical'])} "
+                f"(x{e['hierarchical'] / e['flat']:.3f})"
+            )
     say(
         f"PROJECTION (latency-bandwidth model, not a measurement), {compute_s:.3f} s compute per "
         "step, links per worker (Gbit/s, latency) inside a node / across nodes; mean step time "
@@ -873,6 +897,11 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{o}/{k}": dataclasses.asdict(s) for (o, k), s in hier_kind.items()
             }
             hier_rows = hierarchical(counts, acct.per_kind(n), hier_kind, n, compute, links)
+            for opt, row in hier_rows.items():
+                row["error_buffer_bytes"] = {
+                    "flat": error_buffer_bytes(opt, schedule, tree, n),
+                    "hierarchical": error_buffer_bytes(opt, schedule, tree, nodes),
+                }
             print_hierarchical(nodes, hier_rows, links, compute, say)
         out["models"][model] = {
             **info,
