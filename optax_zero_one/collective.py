@@ -75,15 +75,12 @@ def init_errors(
     ``(C,)`` server error (both zero-size with one node).
     """
     check_collective(collective)
-    if fast > 1:
-        nodes = layout.num_workers // fast
-        if nodes == 1:
-            return OnebitMeanState(jnp.zeros((0,), dtype), jnp.zeros((0,), dtype))
-        return OnebitMeanState(
-            jnp.zeros((nodes, layout.width), dtype), jnp.zeros((layout.width,), dtype)
-        )
-    if layout.num_workers == 1:
+    compressing = layout.num_workers // fast  # every worker, or the nodes
+    if compressing == 1:
         return OnebitMeanState(jnp.zeros((0,), dtype), jnp.zeros((0,), dtype))
+    if fast > 1:
+        width = layout.width
+        return OnebitMeanState(jnp.zeros((compressing, width), dtype), jnp.zeros((width,), dtype))
     if collective == "psum":
         psum_mean.check_num_workers(layout.num_workers)
     server = _server_width(layout, collective)

@@ -45,7 +45,9 @@ RUN_FIELDS = {
     "final_val",
     "gap_to_adamw_pct",
     "bytes_per_worker",
+    "bytes_per_worker_by_axes",
     "rounds",
+    "rounds_by_axes",
     "steps_per_kind",
     "traffic_per_kind",
     "seconds",
@@ -68,6 +70,7 @@ def test_end_to_end_loss_falls_and_json_has_the_documented_fields(result, tmp_pa
         "benchmark",
         "workload",
         "num_workers",
+        "mesh",
         "config",
         "policies",
         "runs",
@@ -79,6 +82,8 @@ def test_end_to_end_loss_falls_and_json_has_the_documented_fields(result, tmp_pa
     assert data["policies"]["variance_steps"] == [*range(1, 9), 10, 12, 14, 16]
     for name, run in data["runs"].items():
         assert set(run) == RUN_FIELDS, name
+        by_axes = run["bytes_per_worker_by_axes"]  # one axis, "w": all of it
+        assert sum(by_axes.values()) == pytest.approx(run["bytes_per_worker"]), name
         assert len(run["train_loss"]) == TINY.steps
         assert run["val"]["step"] == [0, 8, 16, 24, 32]
         assert set(run["val"]) == {"step", "bytes", "loss"}

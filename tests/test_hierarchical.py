@@ -51,7 +51,7 @@ def share_errors(state, layout, nodes, local):
     return out_w, out_s
 
 
-@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2), (1, 4)])
 def test_mean_matches_float64_reference_errors_included(nodes, local):
     n = nodes * local
     tx = ozo.onebit_mean("node", fast_axis_name="local")
@@ -69,6 +69,9 @@ def test_mean_matches_float64_reference_errors_included(nodes, local):
                 got = np.asarray(got).reshape(n, *want.shape)
                 for w in range(n):  # the same mean on every worker
                     np.testing.assert_allclose(got[w], want, rtol=1e-6, atol=1e-6)
+        if nodes == 1:  # one node: the exact mean, no error buffers
+            assert all(np.size(e) == 0 for e in state)
+            return
         layout = Layout.of([jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES], n)
         worker, server = share_errors(state, layout, nodes, local)
         for leaf, shares in enumerate(ref.shares):
@@ -143,12 +146,7 @@ def train(tx, mesh, axes, steps=STEPS, poison=None):
     n = mesh.devices.size
     run_init = jax.jit(ozo.on_workers(tx.init, mesh, axes))
     sharding = NamedSharding(mesh, P(axes))
-
-    def step(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    run = jax.jit(ozo.on_workers(step, mesh, axes))
+    run = jax.jit(ozo.on_workers(lambda p, s, g: _step(tx, p, s, g), mesh, axes))
     p = jax.device_put(ozo.replicate(params0(), n), sharding)
     s = run_init(p)
     history = []
@@ -350,3 +348,33 @@ def test_data_parallel_with_a_pair_of_data_axes():
     assert all("u8" not in c.dtypes for c in stats.collectives if "model" in c.mesh_axes(mesh))
     evaluated = dp.synchronized_params(params_w, state)
     assert evaluated["w1"].sharding.is_equivalent_to(NamedSharding(mesh, job.SPECS["w1"]), 2)
+
+
+def test_resume_is_exact_and_a_checkpoint_moves_to_another_split():
+    tx = make_tx(axis_name="node", fast_axis_name="local")
+    mesh = mesh_of(2, 4)
+    whole, state = train(tx, mesh, AXES)
+    sharding = NamedSharding(mesh, P(AXES))
+    run = jax.jit(ozo.on_workers(lambda p, s, g: _step(tx, p, s, g), mesh, AXES))
+    # stop after step 7, keep host copies (a checkpoint), restore, go on to step 14
+    first, saved = train(tx, mesh, AXES, steps=7)
+    p = jax.device_put(first[-1], sharding)
+    s = jax.device_put(jax.tree.map(np.asarray, saved), sharding)
+    for k in range(8, STEPS + 1):
+        p, s = run(p, s, jax.device_put(grads(8, k), sharding))
+    for a, b in zip(jax.tree.leaves(whole[-1]), jax.tree.leaves(p)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # to 4 nodes x 2: reset the compression state (a new split has other shares), keep the rest
+    other = mesh_of(4, 2)
+    fresh = jax.jit(ozo.on_workers(tx.init, other, AXES))(
+        jax.device_put(whole[-1], NamedSharding(other, P(AXES)))
+    )
+    params, moved = ozo.reset_compression(whole[-1], state, fresh)
+    errors = moved.inner_state.inner_state[0].errors
+    assert errors.worker_error.shape == (8, 4, errors.server_error.shape[-1])  # 4 nodes
+    assert np.asarray(moved.inner_state.count).tolist() == [STEPS] * 8
+
+
+def _step(tx, p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
