@@ -213,8 +213,10 @@ def local_step_sync(
                            inner state <- rule.after_sync(inner state, what, sum of lrs)
 
     A sync step is a step ``k > start_step`` the local-step policy names; the policy advances on
-    every such ``k``. The update returned at a sync moves ``x`` to ``xbar`` (rounded to the
-    params' dtype), so after a sync every worker holds the same params and nothing can drift.
+    every such ``k``. The update returned at a sync is ``xbar - x``, so ``apply_updates`` gives
+    ``x + (xbar - x)``: ``xbar`` up to the last bit of the params' dtype, which may differ
+    between workers. Nothing drifts: ``xbar`` itself is shared exactly, and the next sync
+    starts from it (evaluate :func:`~optax_zero_one.synchronized_params`, which is ``xbar``).
     Nothing may be chained after this wrapper that changes the updates.
 
     Non-finite values: up to ``start_step`` the inner transform averages, so a NaN or Inf on
