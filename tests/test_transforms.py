@@ -167,9 +167,10 @@ def test_chain_with_clipping_runs_data_parallel_and_on_one_device():
     s2 = mapped(plain.init, "vmap", n)(x)
     norms = jnp.sqrt(sum(jnp.sum(leaf**2, axis=tuple(range(1, leaf.ndim))) for leaf in g))
     g_clipped = [leaf / norms.reshape((n,) + (1,) * (leaf.ndim - 1)) for leaf in g]
+    run_clipped, run_plain = mapped(step(clipped), "vmap", n), mapped(step(plain), "vmap", n)
     for _ in range(10):
-        x1, s1 = mapped(step(clipped), "vmap", n)(x, s1, g)
-        x2, s2 = mapped(step(plain), "vmap", n)(x, s2, g_clipped)
+        x1, s1 = run_clipped(x, s1, g)
+        x2, s2 = run_plain(x, s2, g_clipped)
         for a, b in zip(x1, x2):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         x = x1
@@ -225,8 +226,9 @@ def test_multisteps_accumulates_inside_the_mapped_function(mode):
 
         x = [jnp.zeros((n, *s)) for s in SHAPES]
         state = mapped(init, mode, n)(x)
+        run_step = mapped(step, mode, n)
         for g in sequence:
-            x, state = mapped(step, mode, n)(x, state, g)
+            x, state = run_step(x, state, g)
             jax.block_until_ready(x)
         return x
 
