@@ -250,13 +250,6 @@ def expected_class(optimizer: str, kind: str, num_workers: Workers) -> str:
     return EXPECTED_H[flat] if isinstance(num_workers, tuple) and optimizer != ADAM else flat
 
 
-def mesh_of(num_workers: Workers) -> jax.sharding.Mesh:
-    """The mesh :func:`common.update_comm_stats` compiles on for ``num_workers``."""
-    if isinstance(num_workers, tuple):
-        return common.node_mesh(*num_workers)
-    return ozo.worker_mesh(common.AXIS, num_workers)
-
-
 def compile_kind(
     optimizer: str,
     kind: str,
@@ -272,7 +265,7 @@ def compile_kind(
     stats = common.update_comm_stats(
         spec, params, num_workers, None if optimizer == ADAM else step, compiler_options
     )
-    mesh = mesh_of(num_workers)
+    mesh = common.mesh_of(num_workers)
     collectives = tuple(
         {
             "kind": c.kind,

@@ -254,8 +254,9 @@ def train(
     """Trains one optimizer; returns its curves, step kinds, traffic and timings (with
     ``nodes = (S, L)``, also the bytes across nodes of that cluster: :func:`across_nodes`)."""
     axes = common.worker_axes(mesh)
-    spec_of = lambda: make_spec(name, cfg, workload.mask)  # noqa: E731
-    init = jax.jit(ozo.on_workers(lambda p: spec_of().tx.init(p), mesh, axes))
+    init = jax.jit(
+        ozo.on_workers(lambda p: make_spec(name, cfg, workload.mask).tx.init(p), mesh, axes)
+    )
     params = ozo.replicate(workload.init_params(cfg.seed), NUM_WORKERS)
     params = ozo.to_workers(params, mesh, axes)
     state = init(params)

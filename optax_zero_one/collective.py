@@ -287,12 +287,13 @@ def float_mean(x: Any, axis_name: _checks.Axes) -> Any:
         return wide
     workers = _checks.axis_size(axis_name)
     slow, fast = _checks.split_axes(axis_name)
-    if isinstance(wide, FlatTree) and fast is not None and lax.axis_size(fast) > 1:
+    local = _checks.fast_size(axis_name)
+    if isinstance(wide, FlatTree) and local > 1:
         share = lax.psum_scatter(wide.buffer, fast, scatter_dimension=0, tiled=True)
         total = lax.all_gather(lax.psum(share, slow), fast, axis=0, tiled=True)
         mean = FlatTree(total / workers, wide.layout)
-    else:
-        mean = lax.pmean(wide, slow if fast is None or lax.axis_size(fast) == 1 else axis_name)
+    else:  # over every worker (a fast axis of size 1 adds nothing to the group)
+        mean = lax.pmean(wide, axis_name if local > 1 else slow)
     return jax.tree.map(lambda m, v: _graph.vary_over(m, _graph.varying_axes(v)), mean, wide)
 
 

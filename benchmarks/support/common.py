@@ -56,6 +56,14 @@ def node_mesh(nodes: int, local: int) -> jax.sharding.Mesh:
     return jax.make_mesh((nodes, local), NODE_AXES, devices=jax.devices()[: nodes * local])
 
 
+def mesh_of(num_workers: int | tuple[int, int]) -> jax.sharding.Mesh:
+    """The mesh of ``N`` flat workers on :data:`AXIS`, or of ``(nodes, local)`` (a
+    :func:`node_mesh`)."""
+    if isinstance(num_workers, tuple):
+        return node_mesh(*num_workers)
+    return ozo.worker_mesh(AXIS, num_workers)
+
+
 def setup_cpu_devices(count: int) -> int:
     """Asks for ``count`` simulated CPU devices; call before JAX first uses its backend.
 
@@ -297,10 +305,7 @@ def update_comm_stats(
     Returns:
       The :class:`optax_zero_one.CommStats` of the optimised program.
     """
-    if isinstance(num_workers, tuple):
-        mesh = node_mesh(*num_workers)
-    else:
-        mesh = ozo.worker_mesh(AXIS, num_workers)
+    mesh = mesh_of(num_workers)
     axes = worker_axes(mesh)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     state = jax.eval_shape(spec.tx.init, shapes)
