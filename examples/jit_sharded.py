@@ -117,11 +117,7 @@ def data_bytes(dp, step, kinds, policies, args):
             return step(p, ozo.pin_step(s, k, variance, local), b)
 
         stats = ozo.comm_stats(dp.jit(pinned, donate=False), *args)
-        out[name] = sum(
-            c.sent_bytes * (c.executions or 1)
-            for c in stats.collectives
-            if c.group_size == dp.num_workers
-        )
+        out[name] = stats.sent_bytes_by_axes(dp.mesh).get(dp.data_axes, 0.0)
     return out
 
 

@@ -8,7 +8,6 @@ and training follows the 1-D run of the same model; clear errors for bad input.
 
 import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -67,46 +66,21 @@ def two_d():
     return train_with_helper(mesh_of(2))
 
 
-def _groups(line, mesh):
-    """The replica groups of one HLO collective, as lists of device ids."""
-    explicit = re.search(r"replica_groups=\{(\{[\d,{}\s]*\})\}", line)
-    if explicit:
-        return [
-            [int(i) for i in g.split(",")] for g in re.findall(r"\{([\d,\s]+)\}", explicit.group(1))
-        ]
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    groups, size = int(iota.group(1)), int(iota.group(2))
-    dims = [int(d) for d in iota.group(3).split(",")]
-    ids = np.arange(np.prod(dims)).reshape(dims)
-    if iota.group(4):
-        ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
-    return ids.reshape(groups, size).tolist()
-
-
 def test_two_d_mesh_compresses_over_data_only_and_never_gathers_a_model_shard(two_d):
     dp, tx, params_w, state, losses, train = two_d
     mesh = dp.mesh
     x = batches(1)[0]
-    hlo = jax.jit(train).lower(params_w, state, x).compile().as_text()
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)  # [data, model] -> device id
-    data_groups = sorted(sorted(ids[:, m].tolist()) for m in range(2))
-    model_groups = sorted(sorted(ids[d, :].tolist()) for d in range(N))
-    kinds = "all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute"
+    stats = ozo.comm_stats(train, params_w, state, x)
     seen = {"data": [], "model": []}
-    for line in hlo.splitlines():
-        op = re.search(rf"= \(?([a-z0-9]+)\[.*? ({kinds})(?:-start)?\(", line)
-        if not op:
-            continue
-        groups = sorted(sorted(g) for g in _groups(line, mesh))
-        axis = "data" if groups == data_groups else "model" if groups == model_groups else groups
-        assert axis in seen, f"a collective over neither axis: {line.strip()[:200]}"
-        seen[axis].append((op.group(2), op.group(1)))
+    for c in stats.collectives:  # each collective's mesh axes, from its replica groups
+        axes = c.mesh_axes(mesh)
+        assert axes in (("data",), ("model",)), f"a collective over neither axis: {c}"
+        seen[axes[0]].append((c.kind, c.dtypes))
     # the 1-bit collectives: over data only
-    assert ("all-to-all", "u8") in seen["data"] and ("all-gather", "u8") in seen["data"]
-    assert all(dtype != "u8" for _, dtype in seen["model"])
+    assert ("all-to-all", ("u8",)) in seen["data"] and ("all-gather", ("u8",)) in seen["data"]
+    assert all("u8" not in dtypes for _, dtypes in seen["model"])
     # over model: only the model's own all-reduces (partial sums of h @ w2; the finite flag)
     assert {kind for kind, _ in seen["model"]} == {"all-reduce"}
-    stats = ozo.comm_stats(train, params_w, state, x)
     model = [c for c in stats.collectives if c.group_size == 2]
     assert sum(c.payload_bytes for c in model) <= 4 * 8 * 4 + 8  # activations (8 x 4) + flags
     # the float mean on variance steps carries this device's shards only: w1, w2 halved, b
