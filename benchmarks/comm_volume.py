@@ -6,8 +6,8 @@
 
 1. **What one step of each kind sends** is read from compiled programs, not estimated: one
    optimizer update per step kind is compiled (compile only, ``jax.ShapeDtypeStruct`` inputs) on
-   ``N`` simulated CPU devices under ``jax.shard_map``, with the optimizer's counters pinned (as
-   Python ints) to a step of that kind so that the program holds that kind alone, and
+   ``N`` simulated CPU devices under ``jax.shard_map``, for that kind alone through the
+   ``step_kind`` hint (so that the program holds no other), and
    :func:`optax_zero_one.parse_hlo` reads its collectives. Each program is checked against
    ``docs/algorithm.md``: variance / warm-up / Adam = float32 all-reduce only; compressed /
    sync = one u8 all-to-all + one u8 all-gather; local = nothing.
@@ -259,7 +259,8 @@ def compile_kind(
     schedule: Schedule,
     compiler_options: dict[str, Any] | None,
 ) -> KindStats:
-    """Compiles ``optimizer``'s update pinned to ``step`` (of ``kind``) and reads its traffic."""
+    """Compiles ``optimizer``'s update for the kind of ``step`` (``kind``, through the
+    ``step_kind`` hint) and reads its traffic."""
     spec = optimizer_spec(optimizer, schedule, num_workers)
     start, cpu = time.perf_counter(), time.process_time()
     stats = common.update_comm_stats(

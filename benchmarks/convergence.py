@@ -32,11 +32,12 @@ policies and the measured bytes per step kind (no training).
 Recorded per optimizer: training loss each step (mean over workers), validation loss (and
 accuracy for ``digits``) every ``eval_every`` steps at the synchronised parameters
 (:func:`optax_zero_one.synchronized_params`), wall time, the step kinds taken, and bytes sent per
-worker: for each step kind, the whole training step compiled with the counters pinned to that
-kind, read with :func:`optax_zero_one.parse_hlo` (``benchmarks/support/common.py``), times the
-number of steps of that kind. The compressing optimizers get the workload's mask of parameters
-whose gradient is always exactly zero (``digits``: the constant corner pixels; ``char_lm``:
-none).
+worker: for each step kind, the whole training step compiled for that kind alone through the
+``step_kind`` hint, read with :func:`optax_zero_one.parse_hlo` (``benchmarks/support/common.py``),
+times the number of steps of that kind. Training runs one compiled program per step kind, the
+host picking each step's (:func:`benchmarks.support.common.train_step`). The compressing
+optimizers get the workload's mask of parameters whose gradient is always exactly zero
+(``digits``: the constant corner pixels; ``char_lm``: none).
 
 With ``--mesh 2x4`` the 8 workers are 2 nodes of 4 (``("node", "local")``) and the compressing
 optimizers take ``fast_axis_name="local"`` (``docs/hierarchical.md``): exact means inside a node,
@@ -190,9 +191,7 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
             ozo.onebit_mean(mask=mask, **axes),
             optax.adamw(lr, weight_decay=cfg.weight_decay, **adam),
         )
-        return common.OptimizerSpec(
-            name, ozo.flatten(inner, **axes), False, ("compressed",), lambda state: 0
-        )
+        return common.OptimizerSpec(name, ozo.flatten(inner, **axes), False, ("compressed",))
     if name == "local_adam":
         warmup = ozo.FullPrecisionWarmup(variance.freeze_step)
         inner = optax.chain(
@@ -215,8 +214,10 @@ def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, a
     if key not in _PROGRAMS:
         spec = make_spec(name, cfg, workload.mask)
         start = time.perf_counter()
-        step = jax.jit(common.make_step(spec, workload.loss, mesh), donate_argnums=(0, 1))
-        step = step.lower(*args).compile()
+        step = common.train_step(spec, workload.loss, mesh)
+        # One program per step kind the run takes, compiled before it (the calls then reuse them).
+        taken = [0] if spec.schedule is None else np.unique(spec.schedule.indices(cfg.steps))
+        compiled = {int(k): step.program(int(k)).lower(*args).compile() for k in taken}
         axes = common.worker_axes(mesh)
         evaluate = jax.jit(
             ozo.on_workers(
@@ -227,7 +228,14 @@ def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, a
         # The bytes of each kind depend on the shapes and the kinds, not on the learning rate:
         # one traffic table per configuration without its rate.
         traffic = _TRAFFIC.setdefault((dataclasses.replace(key[0], peak_lr=0.0), name), {})
-        _PROGRAMS[key] = (spec, step, evaluate.compile(), time.perf_counter() - start, traffic)
+        _PROGRAMS[key] = (
+            spec,
+            step,
+            compiled.get(0),
+            evaluate.compile(),
+            time.perf_counter() - start,
+            traffic,
+        )
     return _PROGRAMS[key]
 
 
@@ -261,7 +269,7 @@ def train(
     params = ozo.to_workers(params, mesh, axes)
     state = init(params)
     batch = ozo.to_workers(workload.train_batch(0), mesh, axes)
-    spec, step, evaluate, compile_s, traffic_cache = _programs(
+    spec, step, compiled, evaluate, compile_s, traffic_cache = _programs(
         cfg, name, workload, mesh, (params, state, batch)
     )
     eval_batch = ozo.to_workers(workload.eval_batch, mesh, axes)
@@ -280,11 +288,8 @@ def train(
         start = time.perf_counter()
         batch = ozo.to_workers(workload.train_batch(i), mesh, axes)
         params, state, loss, kind = common.run_step(step, params, state, batch)
-        kind = np.asarray(kind)
-        if not (kind == kind[0]).all():
-            raise RuntimeError(f"{name}: workers took different step kinds at step {i + 1}")
         losses.append(float(np.asarray(loss).mean()))
-        kinds.append(int(kind[0]))
+        kinds.append(kind)  # the kind of the program that ran, chosen on the host
         step_s.append(time.perf_counter() - start)
         if (i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps:
             start = time.perf_counter()
@@ -294,12 +299,14 @@ def train(
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{val_metrics[-1]['loss']:.3f}")
 
+    if spec.schedule is not None and ozo.step_count(state) != cfg.steps:  # a step not applied
+        raise RuntimeError(f"{name}: the state took {ozo.step_count(state)} of {cfg.steps} steps")
     start = time.perf_counter()
     first = common.first_step_of_each_kind(kinds)
     key = tuple(sorted(first.items()))
     if key not in traffic_cache:
         traffic_cache[key] = common.traffic_per_kind(
-            spec, workload.loss, mesh, first, (params, state, batch), compiled=step
+            spec, workload.loss, mesh, first, (params, state, batch), compiled=compiled
         )
     traffic = traffic_cache[key]
     account_s = time.perf_counter() - start

@@ -10,10 +10,11 @@ Three runs on 8 simulated CPU workers (``jax.shard_map``; every step waited for,
    feedback keeps equal to ``-(mean_i e_w,i + e_s)`` (bounded) instead of growing like a random
    walk; and the gap in that identity (float32 rounding).
 2. **0/1 Adam, 5,000 steps** on a small problem (a 16-64-1 MLP regressing a random teacher, each
-   worker its own minibatches), variance frozen after step 500, sync intervals doubling to 16:
-   the loss of the synchronised params on held-out data, the error buffers, and how far the
-   workers' params are apart right after each sync. ``optax.adam`` on the averaged gradient
-   gives the reference loss.
+   worker its own minibatches), variance frozen after step 500, sync intervals doubling to 16,
+   one program per step kind (:func:`optax_zero_one.dispatch_by_kind`): the loss of the
+   synchronised params on held-out data, the error buffers, and how far the workers' params are
+   apart right after each sync. ``optax.adam`` on the averaged gradient gives the reference
+   loss.
 3. **Workers' params after a sync**, 0/1 Adam with bfloat16 and with float32 params on a noisy
    quadratic: how far apart the workers are right after each sync, early and late in the run.
 
@@ -35,6 +36,7 @@ import os
 os.environ.setdefault("PJRT_NPROC", "16")  # before JAX starts (simulated-device deadlock)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import functools  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -214,14 +216,14 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
     eval_y = mlp(teacher, eval_x)
     freeze = max(steps // 10, 1)
     lr = optax.cosine_decay_schedule(3e-3, steps, alpha=0.05)
-    tx = ozo.zero_one_adam(
-        lr,
+    policies = dict(
         var_freeze_step=freeze,
         var_update_scaler=16,
         local_step_scaler=max(steps // 12, 1),  # intervals 1, 2, 4, 8, 16 by ~ step 4F
         local_step_clipper=16,
-        axis_name=AXIS,
     )
+    tx = ozo.zero_one_adam(lr, axis_name=AXIS, **policies)
+    schedule = ozo.zero_one_schedule(**policies)
     adam = optax.adam(lr)
 
     def batch(k: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -233,10 +235,12 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
     def loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return jnp.mean(jnp.square(mlp(params, x) - y))
 
-    def step(params: Any, state: Any, ref: Any, ref_state: Any, k: jax.Array) -> tuple:
+    def step(
+        params: Any, state: Any, ref: Any, ref_state: Any, k: jax.Array, step_kind: Any = None
+    ) -> tuple:
         x, y = batch(k)
         grads = jax.grad(loss)(params, x, y)
-        updates, state = tx.update(grads, state, params)
+        updates, state = tx.update(grads, state, params, step_kind=step_kind)
         params = optax.apply_updates(params, updates)
         ref_grads = lax.pmean(jax.grad(loss)(ref, x, y), AXIS)
         ref_updates, ref_state = adam.update(ref_grads, ref_state, ref)
@@ -261,15 +265,16 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
         )
         return params, state, ref, ref_state, figures
 
-    run, mesh = per_worker(step)
-    init, _ = per_worker(tx.init)
+    # one program per step kind, each step's chosen on the host from the schedule
+    run = ozo.dispatch_by_kind(
+        lambda kind: per_worker(functools.partial(step, step_kind=kind))[0], schedule
+    )
+    init, mesh = per_worker(tx.init)
     params = ozo.to_workers(ozo.replicate(init_mlp(jax.random.key(4)), WORKERS), mesh)
     state = init(params)
     ref = params
     ref_state = ozo.to_workers(ozo.replicate(adam.init(init_mlp(jax.random.key(4))), WORKERS), mesh)
-    variance = ozo.VarianceDoubling(freeze, 16)
-    local = ozo.LocalStepDoubling(max(steps // 12, 1), 16)
-    kinds = _kinds(variance, local, steps)
+    kinds = _kinds(schedule, steps)
     rows, memory, start = np.zeros((steps, 7), np.float32), [], time.time()  # preallocated
     for k in range(1, steps + 1):
         params, state, ref, ref_state, figures = run(
@@ -321,9 +326,9 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
     }
 
 
-def _kinds(variance: Any, local: Any, steps: int) -> list[str]:
-    """The name of 0/1 Adam's kind of every step (:func:`optax_zero_one.step_kinds`)."""
-    return [ozo.STEP_KINDS[k] for k in ozo.step_kinds(variance, local, steps)]
+def _kinds(schedule: ozo.StepSchedule, steps: int) -> list[str]:
+    """The name of the kind of every step, from the policies alone."""
+    return [schedule.names[k] for k in schedule.indices(steps)]
 
 
 # --- 3. how far apart the workers' params are after a sync, by params dtype ---------------------
@@ -339,9 +344,8 @@ def sync_spread_run(steps: int, num_workers: int = 4, size: int = 256) -> dict:
         var_freeze_step=20, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4
     )
     tx = ozo.zero_one_adam(0.01, axis_name=AXIS, **schedule)
-    variance = ozo.VarianceDoubling(20, 2)
-    local = ozo.LocalStepDoubling(4, 4)
-    syncs = np.asarray(_kinds(variance, local, steps)) == "sync"
+    # one scan over the steps: the graph decides each step's kind (no step_kind hint)
+    syncs = np.asarray(_kinds(ozo.zero_one_schedule(**schedule), steps)) == "sync"
 
     def worker(x: jax.Array, noise: jax.Array) -> jax.Array:
         curvature = 1.0 + lax.axis_index(AXIS).astype(jnp.float32)

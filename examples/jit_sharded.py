@@ -9,9 +9,10 @@ axis. What changes against a usual jit loop:
 1. ``dp = ozo.data_parallel(mesh, params)`` reads how each weight is sharded;
    ``tx = dp.optimizer(ozo.zero_one_adam(..., axis_name="data"))`` runs the optimizer on each
    device's own shard of the weights.
-2. The step is written for one data worker: *local* gradients, no ``pmean``;
-   ``dp.jit(step)`` compiles it over the worker layout (every data worker keeps its own copy
-   of the params; the model axis is left to XLA as usual). It takes the global batch.
+2. The step is written for one data worker: *local* gradients, no ``pmean``; it passes a
+   ``step_kind`` on to ``tx.update``. ``dp.jit(step, schedule=...)`` compiles it over the worker
+   layout, one program per step kind, and runs each step's (every data worker keeps its own
+   copy of the params; the model axis is left to XLA as usual). It takes the global batch.
 3. ``dp.to_workers(params)`` makes the copies; ``dp.synchronized_params`` gives back the
    params at the last sync, sharded as before, to evaluate or save.
 
@@ -26,6 +27,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("PJRT_NPROC", "16")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -102,22 +104,18 @@ def loss_fn(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def data_bytes(dp, step, kinds, policies, args):
-    """Bytes one device sends over the data axis in a step of each kind taken: the whole step
-    compiled with its counters pinned to that kind, read with ``ozo.comm_stats``."""
-    variance, local = policies
+def data_bytes(dp, step, step_schedule, taken, args):
+    """Bytes one device sends over the data axis in a step of each kind taken (local steps send
+    nothing): the whole step compiled for that kind alone, read with ``ozo.comm_stats``."""
     out = {}
-    for name in ("variance", "compressed", "sync"):
-        taken = np.flatnonzero(kinds == ozo.STEP_KINDS.index(name))
-        if not len(taken):
-            out[name] = 0.0
+    for kind in step_schedule.kinds:
+        if kind.name == "local":
             continue
-
-        def pinned(p, s, b, k=int(taken[0]) + 1):
-            return step(p, ozo.pin_step(s, k, variance, local), b)
-
-        stats = ozo.comm_stats(dp.jit(pinned, donate=False), *args)
-        out[name] = stats.sent_bytes_by_axes(dp.mesh).get(dp.data_axes, 0.0)
+        out[kind.name] = 0.0
+        if kind.name in taken:
+            program = dp.jit(functools.partial(step, step_kind=kind), donate=False)
+            stats = ozo.comm_stats(program, *args)
+            out[kind.name] = stats.sent_bytes_by_axes(dp.mesh).get(dp.data_axes, 0.0)
     return out
 
 
@@ -166,14 +164,17 @@ def main(argv=None):
     dp = ozo.data_parallel(mesh, params, data_axis="data")
     tx = dp.optimizer(ozo.zero_one_adam(lr, b2=0.99, axis_name="data", **schedule))
 
-    def step(params, opt_state, batch):  # one data worker: its params, state and batch share
+    # One data worker's step (its params, state and batch share; local grads to the optimizer).
+    # dp.jit gives it a step_kind, passed on to tx.update: each program holds one kind of step.
+    def step(params, opt_state, batch, step_kind=None):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)  # local grads in
+        updates, opt_state = tx.update(grads, opt_state, params, step_kind=step_kind)
         return optax.apply_updates(params, updates), opt_state, loss
 
     params_w = dp.to_workers(params)
     opt_state = dp.init(tx, params_w)
-    train_step = dp.jit(step)
+    step_schedule = ozo.zero_one_schedule(**schedule)  # every step's kind, known on the host
+    train_step = dp.jit(step, schedule=step_schedule)  # one program per kind, run step by step
     eval_loss = jax.jit(lambda p, b: loss_fn(nnx.merge(graphdef, p), b))
 
     numel = sum(x.size for x in jax.tree.leaves(params))
@@ -195,13 +196,9 @@ def main(argv=None):
             evaluated = float(eval_loss(dp.synchronized_params(params_w, opt_state), val))
             print(f"step {k:4d}  train loss {loss:.4f}  eval loss {evaluated:.4f}")
 
-    policies = (
-        ozo.VarianceDoubling(warmup, schedule["var_update_scaler"]),
-        ozo.LocalStepDoubling(schedule["local_step_scaler"], schedule["local_step_clipper"]),
-    )
-    kinds = ozo.step_kinds(*policies, steps)
-    per_kind = data_bytes(dp, step, kinds, policies, (params_w, opt_state, batch))
-    sent = sum(per_kind[name] * np.sum(kinds == ozo.STEP_KINDS.index(name)) for name in per_kind)
+    taken = np.asarray(step_schedule.names)[step_schedule.indices(steps)]  # each step's kind
+    per_kind = data_bytes(dp, step, step_schedule, set(taken), (params_w, opt_state, batch))
+    sent = sum(per_kind[name] * np.sum(taken == name) for name in per_kind)
     local_numel = device_bytes(params) // 4
     pmean = steps * 2 * 4 * local_numel * (n_data - 1) / n_data  # float32 ring all-reduce
     if args.json:

@@ -9,11 +9,17 @@ Exactly what changes from the usual loop that averages the gradients with ``pmea
     +                          num_workers=num_devices, var_freeze_step=..., ...)
         state = flax.jax_utils.replicate(TrainState.create(apply_fn=..., params=..., tx=tx))
 
-        @partial(jax.pmap, axis_name=AXIS)
-        def train_step(state, x, y):
+    -   @partial(jax.pmap, axis_name=AXIS)
+    -   def train_step(state, x, y):
+    +   def worker_step(state, x, y, step_kind=None):
             loss, grads = jax.value_and_grad(loss_fn)(state.params, ...)
     -       grads = jax.lax.pmean(grads, AXIS)
-            state = state.apply_gradients(grads=grads)
+    -       state = state.apply_gradients(grads=grads)
+    +       state = apply_gradients(state, grads, step_kind)
+    +
+    +   train_step = ozo.dispatch_by_kind(  # one pmap program per step kind
+    +       lambda kind: jax.pmap(partial(worker_step, step_kind=kind), AXIS),
+    +       ozo.zero_one_schedule(var_freeze_step=..., ...), state_index=0)
 
     -   params = flax.jax_utils.unreplicate(state).params
     +   params = ozo.synchronized_params(*ozo.unreplicate((state.params, state.opt_state)))
@@ -21,11 +27,13 @@ Exactly what changes from the usual loop that averages the gradients with ``pmea
 - The optimizer gets each device's *local* gradients and averages them itself (full precision on
   variance steps, 1-bit on compressed and sync steps, not at all on local steps).
 - ``num_workers`` is needed because ``TrainState.create`` runs ``tx.init`` outside ``pmap``.
+- Which kind a step is follows from its number and the schedule alone. ``step_kind`` passed on to
+  ``tx.update`` compiles a program for one kind; ``ozo.dispatch_by_kind`` compiles one per kind,
+  at its first use, and runs each step's (chosen on the host), so no program branches on it.
+  ``TrainState.apply_gradients`` passes no keyword arguments to ``tx.update``, hence the
+  three-line ``apply_gradients`` below.
 - During local steps the devices' parameters differ; ``synchronized_params`` gives where they
   all were at the last sync (identical on every device): evaluate and checkpoint that.
-- ``TrainState.apply_gradients`` calls ``tx.update(grads, opt_state, params)``: the params are
-  passed (weight decay works) but no extra keyword arguments. If you chain a transform that needs
-  some, call ``state.tx.update(grads, state.opt_state, state.params, **extra)`` yourself.
 
 With one device (e.g. a laptop CPU or a single GPU) it runs on 8 simulated CPU devices.
 """
@@ -38,6 +46,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("PJRT_NPROC", "16")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import time  # noqa: E402
 
 import flax.jax_utils  # noqa: E402
@@ -74,13 +83,11 @@ def teacher_task(seed=0):
     return sample
 
 
-def step_kinds(
-    num_steps, var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
-):
-    """The kind of every step, from the schedules alone (nothing runs)."""
-    variance = ozo.VarianceDoubling(var_freeze_step, var_update_scaler)
-    local = ozo.LocalStepDoubling(local_step_scaler, local_step_clipper)
-    return np.asarray(ozo.STEP_KINDS)[ozo.step_kinds(variance, local, num_steps)]
+def apply_gradients(state, grads, step_kind):
+    """``TrainState.apply_gradients``, with the step kind passed on to ``tx.update``."""
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params, step_kind=step_kind)
+    params = optax.apply_updates(state.params, updates)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
 
 def bytes_per_step_kind(replicated_params, devices):
@@ -139,13 +146,18 @@ def main(argv=None):
         logits = model.apply({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def train_step(state, x, y):
+    def worker_step(state, x, y, step_kind=None):
         loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y)
         # The usual loop averages here: grads = jax.lax.pmean(grads, AXIS). Not with 0/1 Adam.
-        state = state.apply_gradients(grads=grads)
+        state = apply_gradients(state, grads, step_kind)
         return state, jax.lax.pmean(loss, AXIS)
 
-    train_step = jax.pmap(train_step, AXIS, devices=devices, donate_argnums=0)
+    def compile_kind(kind):  # the program for one kind of step
+        one_kind = functools.partial(worker_step, step_kind=kind)
+        return jax.pmap(one_kind, AXIS, devices=devices, donate_argnums=0)
+
+    step_schedule = ozo.zero_one_schedule(**schedule)  # every step's kind, known on the host
+    train_step = ozo.dispatch_by_kind(compile_kind, step_schedule, state_index=0)
     eval_loss = jax.jit(loss_fn)
 
     def synchronized(state):
@@ -156,7 +168,7 @@ def main(argv=None):
     sample = teacher_task()
     rng = np.random.default_rng(1)
     x_eval, y_eval = sample(np.random.default_rng(2), 4096)
-    kinds = step_kinds(steps, **schedule)
+    kinds = np.asarray(step_schedule.names)[step_schedule.indices(steps)]  # each step's kind
     print(f"{num_devices} devices ({devices[0].platform}), {steps} steps, schedule {schedule}")
     first_eval = float(eval_loss(synchronized(state), x_eval, y_eval))
     print(f"step    0  eval loss {first_eval:.4f}")

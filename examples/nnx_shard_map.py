@@ -7,12 +7,20 @@ What differs from a usual data-parallel NNX loop:
 1. The optimizer is ``ozo.zero_one_adam(..., axis_name=AXIS)`` and is given each worker's
    *local* gradients: no ``pmean`` of your own; it averages them itself (full precision on
    variance steps, 1-bit on compressed and sync steps, not at all on local steps).
-2. Every worker keeps its own copy of the model and optimizer state (during local steps the
+2. Every worker keeps its own copy of the params and optimizer state (during local steps the
    copies differ): the *worker layout*, a leading worker axis sharded with ``P(AXIS)``.
    ``ozo.on_workers`` runs one worker's function under ``jax.shard_map``: each device sees a
    block of size 1, dropped before the function runs and restored after.
-3. To evaluate or export, take ``ozo.synchronized_params``: where all workers were at the last
+3. Which kind a step is follows from its number and the schedule alone: the step passes
+   ``step_kind`` on to ``tx.update``, and ``ozo.dispatch_by_kind`` compiles one program per
+   kind (at its first use) and runs each step's, chosen on the host.
+4. To evaluate or export, take ``ozo.synchronized_params``: where all workers were at the last
    sync, the same on every worker.
+
+The model is split into its graph and its params (``nnx.split``) and the optimizer state is
+optax's own, so that the host can read the step counter in it; ``nnx.Optimizer`` works too
+with a single program that decides each step's kind in the graph
+(``docs/jit.md``, "Flax NNX").
 
 With one device (e.g. a laptop CPU or a single GPU) it runs on 8 simulated CPU devices.
 """
@@ -25,6 +33,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("PJRT_NPROC", "16")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -65,15 +74,6 @@ def teacher_task(seed=0):
         return x, (np.tanh(x @ w1) @ w2).argmax(-1).astype(np.int32)
 
     return sample
-
-
-def step_kinds(
-    num_steps, var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
-):
-    """The kind of every step, from the schedules alone (nothing runs)."""
-    variance = ozo.VarianceDoubling(var_freeze_step, var_update_scaler)
-    local = ozo.LocalStepDoubling(local_step_scaler, local_step_clipper)
-    return np.asarray(ozo.STEP_KINDS)[ozo.step_kinds(variance, local, num_steps)]
 
 
 def bytes_per_step_kind(params, mesh, num_workers):
@@ -126,46 +126,47 @@ def main(argv=None):
         **schedule,
     )
 
-    @nnx.jit  # one compiled program rather than one per initialiser
-    def create():
-        model = MLP(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    model, optimizer = create()
-    per_kind = bytes_per_step_kind(nnx.as_pure(nnx.state(model, nnx.Param)), mesh, num_workers)
-    graphdef, state = nnx.split((model, optimizer))
+    model = nnx.jit(lambda: MLP(nnx.Rngs(0)))()  # one compiled program, not one per initialiser
+    graphdef, params = nnx.split(model)  # the graph, and the state (Params only, for this MLP)
+    params = nnx.as_pure(params)  # plain arrays, for optax
+    per_kind = bytes_per_step_kind(params, mesh, num_workers)
     to_workers = jax.jit(lambda tree: ozo.replicate(tree, num_workers), out_shardings=on_mesh)
-    state = to_workers(state)  # the worker layout: one copy per worker, sharded over the mesh
+    # the worker layout: one copy per worker, sharded over the mesh
+    params, opt_state = to_workers(params), to_workers(jax.jit(tx.init)(params))
 
-    def worker_step(state, x, y):  # one worker's view: its own model, optimizer and batch
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-        optimizer.update(model, grads)  # local grads in; the optimizer does the averaging
-        return nnx.state((model, optimizer)), loss
+    def worker_step(params, opt_state, x, y, step_kind=None):  # one worker's view and batch
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), x, y))(params)
+        # local grads in; the optimizer does the averaging (or not, by the step's kind)
+        updates, opt_state = tx.update(grads, opt_state, params, step_kind=step_kind)
+        return optax.apply_updates(params, updates), opt_state, loss
 
-    train_step = jax.jit(ozo.on_workers(worker_step, mesh), donate_argnums=0)
+    def compile_kind(kind):  # the program for one kind of step
+        one_kind = ozo.on_workers(functools.partial(worker_step, step_kind=kind), mesh)
+        return jax.jit(one_kind, donate_argnums=(0, 1))
 
-    def synchronized_model(state):
-        """Worker 0's model moved to the last sync point: what to evaluate or checkpoint."""
-        model, optimizer = nnx.merge(graphdef, ozo.unreplicate(state))
-        params = nnx.as_pure(nnx.state(model, nnx.Param))
-        nnx.update(model, ozo.synchronized_params(params, nnx.as_pure(optimizer.opt_state)))
-        return model
+    step_schedule = ozo.zero_one_schedule(**schedule)  # every step's kind, known on the host
+    train_step = ozo.dispatch_by_kind(compile_kind, step_schedule)
+
+    def synchronized_model(params, opt_state):
+        """The model at the last sync point (worker 0's copy): what to evaluate or checkpoint."""
+        return nnx.merge(graphdef, ozo.synchronized_params(*ozo.unreplicate((params, opt_state))))
 
     eval_loss = nnx.jit(loss_fn)
     sample = teacher_task()
     rng = np.random.default_rng(1)
     x_eval, y_eval = sample(np.random.default_rng(2), 4096)
-    kinds = step_kinds(steps, **schedule)
+    kinds = np.asarray(step_schedule.names)[step_schedule.indices(steps)]  # each step's kind
     print(f"{num_workers} workers on {devices[0].platform}, {steps} steps, schedule {schedule}")
-    first_eval = float(eval_loss(synchronized_model(state), x_eval, y_eval))
+    first_eval = float(eval_loss(synchronized_model(params, opt_state), x_eval, y_eval))
     print(f"step    0  eval loss {first_eval:.4f}")
     for k in range(1, steps + 1):
         x, y = sample(rng, num_workers, BATCH_PER_WORKER)  # one batch per worker
-        state, losses = train_step(state, jax.device_put(x, on_mesh), jax.device_put(y, on_mesh))
+        params, opt_state, losses = train_step(
+            params, opt_state, jax.device_put(x, on_mesh), jax.device_put(y, on_mesh)
+        )
         jax.block_until_ready(losses)  # pace the loop (simulated devices can deadlock otherwise)
         if k % max(1, steps // 10) == 0 or k == steps:
-            evaluated = float(eval_loss(synchronized_model(state), x_eval, y_eval))
+            evaluated = float(eval_loss(synchronized_model(params, opt_state), x_eval, y_eval))
             print(
                 f"step {k:4d}  {kinds[k - 1]:<10}  train loss {np.mean(losses):.4f}  "
                 f"eval loss (synchronised params) {evaluated:.4f}"

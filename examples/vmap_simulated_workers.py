@@ -8,9 +8,11 @@ collectives (float mean, 1-bit compressed mean) run for real, on one device, and
 match a multi-device run to float rounding.
 
 Each worker gets its own batch and passes its *local* gradient; params and optimizer state carry
-a leading worker axis. The log shows how far the workers' parameters drift apart during local
-steps (``spread``) and that ``ozo.synchronized_params`` (where they were at the last sync) is
-identical on every worker (``synced spread``, float rounding only).
+a leading worker axis. Each step runs the program compiled for its kind of step
+(``ozo.dispatch_by_kind``, the kind chosen on the host from the schedule). The log shows how far
+the workers' parameters drift apart during local steps (``spread``) and that
+``ozo.synchronized_params`` (where they were at the last sync) is identical on every worker
+(``synced spread``, float rounding only).
 
 Bytes are those a run on N devices would send, by the formulas of ``docs/algorithm.md``; they equal
 what ``ozo.comm_stats`` reads from the compiled program on N devices (see
@@ -18,6 +20,7 @@ what ``ozo.comm_stats`` reads from the compiled program on N devices (see
 """
 
 import argparse
+import functools
 import math
 import time
 
@@ -65,15 +68,6 @@ def teacher_task(seed=0):
     return sample
 
 
-def step_kinds(
-    num_steps, var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
-):
-    """The kind of every step, from the schedules alone (nothing runs)."""
-    variance = ozo.VarianceDoubling(var_freeze_step, var_update_scaler)
-    local = ozo.LocalStepDoubling(local_step_scaler, local_step_clipper)
-    return np.asarray(ozo.STEP_KINDS)[ozo.step_kinds(variance, local, num_steps)]
-
-
 def bytes_per_step_kind(params, n):
     """Bytes one of ``n`` workers sends per step of each kind (``docs/algorithm.md``).
 
@@ -114,9 +108,10 @@ def main(argv=None):
     # variance steps, so b2's memory (~1 / (1 - b2) steps) must fit the variance steps taken.
     tx = ozo.zero_one_adam(learning_rate, b2=0.99, weight_decay=1e-4, axis_name=AXIS, **schedule)
 
-    def worker_step(params, opt_state, x, y):  # one worker's view
+    def worker_step(params, opt_state, x, y, step_kind=None):  # one worker's view
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)  # local grads in
+        # local grads in; step_kind: compile this step for one kind of step alone
+        updates, opt_state = tx.update(grads, opt_state, params, step_kind=step_kind)
         params = optax.apply_updates(params, updates)
         synced = ozo.synchronized_params(params, opt_state)
         return params, opt_state, jax.lax.pmean(loss, AXIS), synced
@@ -125,12 +120,18 @@ def main(argv=None):
         """Largest difference between any worker's copy and worker 0's."""
         return jax.tree.reduce(jnp.maximum, jax.tree.map(lambda a: jnp.abs(a - a[0]).max(), tree))
 
-    @jax.jit
-    def train_step(params, opt_state, x, y):
-        params, opt_state, loss, synced = jax.vmap(worker_step, axis_name=AXIS)(
+    def all_workers_step(params, opt_state, x, y, step_kind=None):
+        one_kind = functools.partial(worker_step, step_kind=step_kind)
+        params, opt_state, loss, synced = jax.vmap(one_kind, axis_name=AXIS)(
             params, opt_state, x, y
         )
         return params, opt_state, loss[0], spread(params), spread(synced), synced
+
+    # one program per step kind (compiled at its first use), each step's chosen on the host
+    step_schedule = ozo.zero_one_schedule(**schedule)
+    train_step = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(functools.partial(all_workers_step, step_kind=kind)), step_schedule
+    )
 
     # the worker layout, made in one compiled program: a leading axis of n identical copies
     params = jax.jit(lambda key: ozo.replicate(init_params(key), n))(jax.random.key(0))
@@ -142,7 +143,7 @@ def main(argv=None):
     sample = teacher_task()
     rng = np.random.default_rng(1)
     x_eval, y_eval = sample(np.random.default_rng(2), 4096)
-    kinds = step_kinds(steps, **schedule)
+    kinds = np.asarray(step_schedule.names)[step_schedule.indices(steps)]  # each step's kind
     print(f"{n} simulated workers on one {jax.devices()[0].platform} device, {steps} steps")
     print(f"schedule {schedule}")
     first_eval = float(eval_loss(ozo.unreplicate(params), x_eval, y_eval))

@@ -20,18 +20,21 @@ The three transforms, each usable on its own (``docs/design.md``):
 :func:`flatten`, which runs a transform on one flat buffer per worker so that the compiled
 program does not grow with the number of leaves. Also: the policies (:class:`VarianceDoubling`,
 :class:`LocalStepDoubling`, :class:`FullPrecisionWarmup`), the step kinds of a run
-(:func:`step_kinds`, :func:`pin_step`), :func:`comm_stats` (what a compiled program sends), the
-worker layout (:func:`replicate`, :func:`unreplicate`, :func:`synchronized_params`), the worker
-layout across processes (:func:`initialize_from_env`, :func:`worker_mesh`, :func:`to_workers`,
-:func:`local_rows`, :func:`on_workers`; a local launcher: ``python -m optax_zero_one.launch``)
-and checkpoints across worker counts (:func:`check_worker_count`, :func:`reset_compression`).
+(:class:`StepSchedule`, :class:`StepKind`; pass ``step_kind=`` to ``update`` to compile one kind
+alone, or let :func:`dispatch_by_kind` pick each step's program on the host),
+:func:`comm_stats` (what a compiled program sends), the worker layout (:func:`replicate`,
+:func:`unreplicate`, :func:`synchronized_params`), the worker layout across processes
+(:func:`initialize_from_env`, :func:`worker_mesh`, :func:`to_workers`, :func:`local_rows`,
+:func:`on_workers`; a local launcher: ``python -m optax_zero_one.launch``) and checkpoints
+across worker counts (:func:`check_worker_count`, :func:`reset_compression`).
 """
 
 from optax_zero_one.checkpoint import check_worker_count, reset_compression, worker_count
 from optax_zero_one.collective import OnebitMeanState, compressed_mean, float_mean, onebit_mean
 from optax_zero_one.comm_stats import Collective, CommStats, comm_stats, parse_hlo
-from optax_zero_one.data_parallel import DataParallel, ShardLocalState, data_parallel
+from optax_zero_one.data_parallel import DataParallel, data_parallel
 from optax_zero_one.deepspeed import from_deepspeed_config
+from optax_zero_one.dispatch import KindDispatcher, dispatch_by_kind
 from optax_zero_one.distributed import (
     DistributedJob,
     initialize_from_env,
@@ -45,13 +48,16 @@ from optax_zero_one.frozen_variance import FrozenVarianceAdamState, scale_by_fro
 from optax_zero_one.kinds import (
     ONEBIT_STEP_KINDS,
     STEP_KINDS,
+    StepKind,
+    StepSchedule,
+    onebit_schedule,
     onebit_step_kinds,
-    pin_step,
+    step_count,
     step_kind,
     step_kinds,
+    zero_one_schedule,
 )
 from optax_zero_one.local_steps import (
-    FrozenAdamSync,
     LocalStepSyncState,
     MomentumAverage,
     ParamsAverage,
@@ -69,9 +75,9 @@ from optax_zero_one.policies import (
     variance_steps,
 )
 from optax_zero_one.scheduled_mean import ScheduledMeanState, scheduled_mean
-from optax_zero_one.workers import replicate, synchronized_params, unreplicate
+from optax_zero_one.workers import ShardLocalState, replicate, synchronized_params, unreplicate
 from optax_zero_one.wrappers import FlattenState, SkipNotFiniteState, flatten, skip_not_finite
-from optax_zero_one.zero_one_adam import scale_by_zero_one_adam, zero_one_adam
+from optax_zero_one.zero_one_adam import FrozenAdamSync, scale_by_zero_one_adam, zero_one_adam
 
 __version__ = "0.2.0"
 
@@ -88,6 +94,7 @@ __all__ = [
     "FrozenVarianceAdamState",
     "FullPrecisionWarmup",
     "IntervalState",
+    "KindDispatcher",
     "Layout",
     "LocalStepDoubling",
     "LocalStepPolicy",
@@ -98,12 +105,15 @@ __all__ = [
     "ParamsAverage",
     "STEP_KINDS",
     "ScheduledMeanState",
+    "StepKind",
+    "StepSchedule",
     "SkipNotFiniteState",
     "VarianceDoubling",
     "VariancePolicy",
     "check_worker_count",
     "comm_stats",
     "compressed_mean",
+    "dispatch_by_kind",
     "flatten",
     "float_mean",
     "from_deepspeed_config",
@@ -113,9 +123,9 @@ __all__ = [
     "on_workers",
     "onebit_adam",
     "onebit_mean",
+    "onebit_schedule",
     "onebit_step_kinds",
     "parse_hlo",
-    "pin_step",
     "replicate",
     "reset_compression",
     "scale_by_frozen_variance_adam",
@@ -123,6 +133,7 @@ __all__ = [
     "scale_by_zero_one_adam",
     "scheduled_mean",
     "skip_not_finite",
+    "step_count",
     "step_kind",
     "step_kinds",
     "sync_steps",
@@ -133,4 +144,5 @@ __all__ = [
     "worker_count",
     "worker_mesh",
     "zero_one_adam",
+    "zero_one_schedule",
 ]

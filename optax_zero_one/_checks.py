@@ -187,6 +187,26 @@ def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
     return bound
 
 
+def workers_for(params: Any, axis_name: Axes, num_workers: Any) -> int:
+    """:func:`resolve_num_workers` for ``init``; the placeholder ``optax.tree_map_params``
+    initialises with (no parameters at all) needs no worker count and gets 1 if unbound."""
+    if is_placeholder(params) and num_workers is None:
+        try:
+            return resolve_num_workers(axis_name, None)
+        except ValueError:
+            return 1
+    return resolve_num_workers(axis_name, num_workers)
+
+
+def is_placeholder(params: Any) -> bool:
+    """Whether ``params`` is the stand-in that ``optax.tree_map_params`` calls ``init`` with
+    (or a flat buffer laid out for it): a state is then built only for its structure."""
+    layout = getattr(params, "layout", None)
+    if layout is not None and hasattr(layout, "treedef"):
+        return "_ParamsPlaceholder" in str(layout.treedef)
+    return type(params).__name__ == "_ParamsPlaceholder"
+
+
 def check_float_leaves(tree: Any, what: str) -> None:
     """Rejects non-floating leaves of ``tree`` with a message naming the leaf."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):

@@ -1,39 +1,28 @@
-"""Graph-level tricks the transforms share: zero-or-one-trip loops, ``shard_map`` typing, and the
-finiteness checks (``docs/design.md``, "Why the step kinds are loops").
+"""What the transforms share about the compiled graph: the one in-graph conditional, ``shard_map``
+typing, the finiteness checks and the counters of a state (``docs/design.md``, "Step kinds").
 
-Everything here exists for speed or for ``shard_map``'s type check, not for semantics:
-
-- :func:`run_if` runs a step kind only where it applies, without copying the buffers it does
-  not touch (a ``lax.cond`` branch copies every buffer it passes through on XLA:CPU; measured).
+- :func:`switch` is the only conditional the transforms use. A step's kind is normally known on
+  the host and passed as a static hint (``step_kind=``), so a program traces one kind and holds no
+  conditional at all; :func:`switch` is the path *without* the hint, for users who jit
+  ``tx.update`` themselves and let the graph decide.
 - :func:`vary_over` / :func:`worker_state` type values as varying over the manual mesh axes so
   that a state made by ``init`` and one returned by ``update`` have the same type (``optax``'s
   wrappers, e.g. ``MultiSteps``, put the two in one ``lax.cond``).
-- :func:`all_finite`, :func:`restore_scalars` and :func:`zero_if` are the non-finite handling: a
-  check that costs one reduction, and restores that cost nothing on a finite step.
+- :func:`all_finite`, :func:`keep_if` and :func:`restore_scalars` are the non-finite handling and
+  the gate a hinted step goes through: straight-line selects that XLA fuses into the writes.
+- :func:`step_counter` and :func:`refusals` find a state's step counter and its records of
+  refused hints through the ``STEP_COUNTER`` and ``REFUSED_HINT`` hooks that state classes
+  declare, without knowing the classes.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-
-def all_static(*values: Any) -> bool:
-    """True if every value is a Python/NumPy bool or int (known at trace time)."""
-    return all(isinstance(v, bool | int | np.bool_ | np.integer) for v in values)
-
-
-def both(a: Any, b: Any) -> Any:
-    """``a and b`` for Python bools (a pinned step), ``logical_and`` for traced ones."""
-    return bool(a and b) if all_static(a, b) else jnp.logical_and(a, b)
-
-
-def negate(a: Any) -> Any:
-    """``not a`` for a Python bool (a pinned step), ``logical_not`` for a traced one."""
-    return (not a) if all_static(a) else jnp.logical_not(a)
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -48,8 +37,8 @@ def vary_over(x: jax.Array, axes: frozenset) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def worker_axes(axis_name: str | None) -> frozenset:
-    """The manual mesh axes a per-worker value varies over: ``{axis_name}`` inside
+def worker_axes(axis_name: Any) -> frozenset:
+    """The manual mesh axes a per-worker value varies over: the worker axes inside
     ``shard_map`` (and ``pmap``, which is built on it), nothing under ``vmap`` or unbound."""
     if axis_name is None:
         return frozenset()
@@ -59,7 +48,7 @@ def worker_axes(axis_name: str | None) -> frozenset:
         return frozenset()
 
 
-def worker_state(state: Any, axis_name: str | None) -> Any:
+def worker_state(state: Any, axis_name: Any) -> Any:
     """Types every array of an optimizer state as per worker (varying over ``axis_name``).
 
     ``init`` builds the state from constants, which ``shard_map`` types as replicated; after one
@@ -89,38 +78,61 @@ def only_node(tree: Any, cls: type, where: str) -> Any:
     return found[0]
 
 
-def run_if(pred: Any, fn: Any, carry: Any, like: Any = ()) -> Any:
-    """``fn(carry)`` where ``pred`` holds, else ``carry``, updating ``carry``'s buffers in place.
+# ---------------------------------------------------------------- the in-graph conditional
 
-    A Python bool traces only the side taken (a state pinned to one step kind compiles that
-    kind alone). A traced ``pred`` becomes a ``while_loop`` of zero or one trip rather than a
-    ``lax.cond``: XLA copies every buffer that a conditional's branch passes through unchanged
-    (measured on CPU: a pass-through branch costs as much as one elementwise pass over the
-    buffers), while a loop that does not run leaves its carry where it is.
+
+def switch(
+    index: jax.Array,
+    branches: Sequence[Callable[[Any], Any]],
+    operand: Any,
+    axis_name: Any = None,
+) -> Any:
+    """``branches[index](operand)``, decided in the graph: the transforms' one conditional.
+
+    Used only where no static step kind was given (``step_kind=None``). It is ``lax.switch`` on
+    every backend. The zero-or-one-trip loops of earlier versions were faster on XLA:CPU for a
+    *live* program (a conditional copies the buffers its branches pass through), but they put
+    loops into every transform, a loop per decision; the library's own loops now compile one
+    program per kind instead, which beats both (``docs/benchmarks/overhead.md``). On GPU a
+    conditional costs a predicate copy to the host per decision unless it is captured in a CUDA
+    graph, one more reason to hint.
+
+    Under ``jax.vmap`` (simulated workers) every worker holds its own copy of the counters, so
+    the index would be *batched* and the conditional would become a select over every branch,
+    each computed for every worker. The index is taken once for all workers instead (a ``pmax``
+    over the worker axis, which under ``vmap`` communicates nothing): the conditional stays one,
+    and every worker's result comes from the same code.
 
     Args:
-      pred: a scalar bool, identical on the workers (a Python bool, or a traced one).
-      fn: maps ``carry`` to a tree of the same structure, shapes and dtypes. Pass everything
-        ``fn`` reads in ``carry`` (read-only values too): an array read from outside the loop
-        is copied into it on every call.
-      carry: the values to update.
-      like: arrays whose ``shard_map`` varying axes the carry takes on (everything ``fn`` reads
-        per worker), so that the loop's types match.
+      index: a scalar int32, identical on the workers of a collective (derived from counters).
+      branches: functions of ``operand`` returning trees of the same structure and types.
+      operand: what the branches read.
+      axis_name: the worker axis (or axes) of the transform, ``None`` for one worker.
     """
-    if all_static(pred):
-        return fn(carry) if pred else carry
-    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves((pred, carry, like))))
-    carry = jax.tree.map(lambda x: vary_over(jnp.asarray(x), axes), carry)
+    if len(branches) == 1:
+        return branches[0](operand)
+    if axis_name is not None and not worker_axes(axis_name):
+        # bound by vmap (shard_map and pmap axes are manual: each device decides alone)
+        with contextlib.suppress(NameError):
+            index = jax.lax.pmax(index, axis_name)
+    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves((index, operand))))
 
-    def body(state: Any) -> Any:
-        trip, values = state
-        out = jax.tree.map(lambda x: vary_over(x, axes), fn(values))
-        # The barrier keeps XLA from treating values passed through unchanged as loop
-        # invariants, which it would copy into the loop on every call (measured).
-        return trip + 1, jax.lax.optimization_barrier(out)
+    def typed(branch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        # shard_map's check wants every branch to return the same varying types.
+        return lambda x: jax.tree.map(lambda y: vary_over(jnp.asarray(y), axes), branch(x))
 
-    trips = jnp.asarray(pred).astype(jnp.int32)
-    return jax.lax.while_loop(lambda s: s[0] < trips, body, (jnp.zeros([], jnp.int32), carry))[1]
+    return jax.lax.switch(index, [typed(b) for b in branches], operand)
+
+
+def index_of(conditions: Sequence[Any]) -> jax.Array:
+    """The index of the first true condition among scalar bools (the last one if none is)."""
+    index = jnp.asarray(len(conditions) - 1, jnp.int32)
+    for i in reversed(range(len(conditions) - 1)):
+        index = jnp.where(conditions[i], i, index).astype(jnp.int32)
+    return index
+
+
+# ---------------------------------------------------------------- non-finite values and gates
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -144,22 +156,37 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.stack(sums).all() if sums else jnp.ones([], bool)
 
 
-def check_finite_if(pred: Any, tree: Any, finite: Any = True) -> tuple[Any, Any]:
-    """``(tree, all_finite(tree))`` where ``pred`` holds, else ``(tree, finite)``: the check (one
-    reduction over ``tree``) runs only on the steps that need it."""
+def keep_if(ok: Any, new: Any, old: Any) -> Any:
+    """``new`` where the scalar ``ok`` holds, else ``old``, leaf by leaf (a select that XLA fuses
+    into the pass that computes ``new``; a leaf passed through unchanged costs nothing)."""
+    return jax.tree.map(lambda n, o: n if n is o else jnp.where(ok, n, o), new, old)
 
-    def check(carry: Any) -> Any:
-        return carry[0], all_finite(carry[0])
 
-    return run_if(pred, check, (tree, finite), like=tree)
+def zero_unless(ok: Any, tree: Any) -> Any:
+    """``tree`` where ``ok`` holds, zeros (in its dtypes) elsewhere."""
+    return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros([], x.dtype)), tree)
+
+
+def no_refusals() -> jax.Array:
+    """The initial ``refused_hint`` of a state: no hint refused (int32 ``(2,)``)."""
+    return jnp.zeros((2,), jnp.int32)
+
+
+def refuse_unless(ok: Any, expected: jax.Array, new_state: Any, old_state: Any) -> Any:
+    """A hinted step's state: ``new_state`` where the hint matched the counters (``ok``), else
+    ``old_state`` with the refusal recorded in its ``refused_hint`` (one more refused hint, and
+    1 + ``expected``, the branch the counters asked for)."""
+    kept = keep_if(ok, new_state, old_state)
+    old = old_state.refused_hint
+    refused = jnp.stack([old[0] + 1, expected.astype(jnp.int32) + 1])
+    return kept._replace(refused_hint=jnp.where(ok, old, vary_over(refused, varying_axes(old))))
 
 
 def keep_if_finite(finite: Any, step: Any, new_state: Any, skipped_state: Any) -> tuple[Any, Any]:
     """A step's ``(update, state)``, or, where ``finite`` is false, a zero update and the state
     with every scalar taken from ``skipped_state`` (:func:`restore_scalars`; the buffers were
     kept by the transforms that own them)."""
-    step = jax.tree.map(lambda d: jnp.where(finite, d, jnp.zeros_like(d)), step)
-    return step, restore_scalars(finite, new_state, skipped_state)
+    return zero_unless(finite, step), restore_scalars(finite, new_state, skipped_state)
 
 
 def restore_scalars(ok: Any, new: Any, old: Any) -> Any:
@@ -169,11 +196,8 @@ def restore_scalars(ok: Any, new: Any, old: Any) -> Any:
     transforms that own them, which know the step is bad *before* they write (a select in the
     pass that writes them anyway); the scalars, which cost nothing to select afterwards, are
     restored here, including those of transforms that do not know about skipping (e.g. the count
-    of ``optax.scale_by_learning_rate``). Restoring a buffer after the fact would cost a full
-    pass over it, and keeping both versions alive, on every step (measured: ~6x an Adam step).
+    of ``optax.scale_by_learning_rate``).
     """
-    if all_static(ok):
-        return new if ok else jax.tree.map(lambda n, o: o if jnp.ndim(n) == 0 else n, new, old)
     return jax.tree.map(
         lambda n, o: (
             jnp.where(ok, n, jnp.asarray(o, jnp.result_type(n))) if jnp.ndim(n) == 0 else n
@@ -183,17 +207,42 @@ def restore_scalars(ok: Any, new: Any, old: Any) -> Any:
     )
 
 
-def zero_if(bad: Any, tree: Any, like: Any = ()) -> Any:
-    """``tree`` zeroed where ``bad`` holds: a loop that runs only then (e.g. error buffers that a
-    non-finite step filled with NaN, or a gradient that is dropped).
+# ---------------------------------------------------------------- counters
 
-    The zeros are computed from the values and from a zero that travels in the loop, never
-    broadcast from a constant: XLA hoists a broadcast constant out of the loop and would then
-    fill a buffer with zeros on every call, whether the loop runs or not (measured).
+
+def _declares(x: Any, hook: str) -> bool:
+    return isinstance(getattr(type(x), hook, None), str) and hasattr(x, "_fields")
+
+
+def refusals(state: Any) -> list[tuple[type, Any]]:
+    """``(state class, refused_hint array)`` of every state in ``state`` whose class declares a
+    ``REFUSED_HINT`` field (and names its branches in ``BRANCHES``), outermost first, nested
+    states (a wrapper's inner state) included."""
+    found: list[tuple[type, Any]] = []
+    stack = [state]
+    while stack:  # depth first, in tree order
+        node = stack.pop()
+        if _declares(node, "REFUSED_HINT"):
+            found.append((type(node), getattr(node, type(node).REFUSED_HINT)))
+        if isinstance(node, dict):
+            stack.extend(reversed(list(node.values())))
+        elif isinstance(node, tuple | list):
+            stack.extend(reversed(node))
+    return found
+
+
+def step_counter(state: Any) -> Any:
+    """The step counter of the first state in ``state`` whose class declares one.
+
+    A state class names its counter in a class attribute ``STEP_COUNTER`` (e.g. ``"count"``, the
+    number of updates the state has taken). Generic code (the host-side dispatch, checkpoints)
+    reads it through this hook instead of knowing the classes. ``None`` if there is none.
     """
 
-    def zeros(carry: Any) -> Any:
-        values, zero = carry
-        return jax.tree.map(lambda x: jnp.where(jnp.isfinite(x), x * 0, zero), values), zero
+    def declares(x: Any) -> bool:
+        return _declares(x, "STEP_COUNTER")
 
-    return run_if(bad, zeros, (tree, jnp.zeros([], jnp.float32)), like=like)[0]
+    for node in jax.tree.leaves(state, is_leaf=declares):
+        if declares(node):
+            return getattr(node, type(node).STEP_COUNTER)
+    return None

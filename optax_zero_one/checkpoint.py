@@ -29,13 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one import flat, workers
-from optax_zero_one.collective import OnebitMeanState
-from optax_zero_one.flat import FlatTree
-from optax_zero_one.frozen_variance import FrozenVarianceAdamState
-from optax_zero_one.local_steps import LocalStepSyncState
-from optax_zero_one.scheduled_mean import ScheduledMeanState
-from optax_zero_one.wrappers import FlattenState
+from optax_zero_one import workers
 
 
 def worker_count(tree: Any) -> int:
@@ -163,62 +157,7 @@ def reset_compression(
     first = jax.tree.map(lambda x: x[0], full)
     fresh0 = jax.tree.map(lambda x: np.asarray(x)[0], fresh_state)
     params0 = workers.synchronized_params(jax.tree.map(lambda x: np.asarray(x)[0], params), first)
-
-    def relayout(old: FlatTree, new: FlatTree) -> FlatTree:
-        tree = FlatTree(jnp.asarray(old.buffer), old.layout).to_tree()
-        return flat.to_flat(tree, new.layout, np.asarray(new.buffer).dtype)
-
-    def convert(old: Any, every: Any, fresh: Any) -> Any:
-        if hasattr(fresh, "_fields") and type(old) is not type(fresh):
-            raise ValueError(
-                "fresh_state is not a state of the same optimizer as opt_state (a "
-                f"{type(fresh).__name__} where the restored state has {type(old).__name__})."
-            )
-        if isinstance(fresh, OnebitMeanState):
-            return fresh
-        if isinstance(fresh, FlatTree):
-            if not isinstance(old, FlatTree):
-                raise ValueError("fresh_state is not a state of the same optimizer as opt_state.")
-            return relayout(old, fresh)
-        if isinstance(fresh, FlattenState):
-            return FlattenState(fresh.offsets, convert(old.inner_state, every.inner_state,
-                                                       fresh.inner_state))  # fmt: skip
-        if isinstance(fresh, LocalStepSyncState):
-            if isinstance(old.anchor, FlatTree):
-                anchor = flat.to_flat(params0, fresh.anchor.layout, fresh.anchor.buffer.dtype)
-            else:
-                anchor = jax.tree.map(lambda p, a: np.asarray(p, a.dtype), params0, old.anchor)
-            return fresh._replace(
-                count=old.count,
-                local_step_policy=old.local_step_policy,
-                anchor=anchor,
-                anchored=old.anchored,
-                lr_sum=np.zeros_like(old.lr_sum),
-                skipped_updates=old.skipped_updates,
-                dropped_local_grads=old.dropped_local_grads,
-                inner_state=convert(old.inner_state, every.inner_state, fresh.inner_state),
-            )
-        if isinstance(fresh, FrozenVarianceAdamState):
-            mean = jax.tree.map(_worker_mean, every.mu)
-            return fresh._replace(
-                count=old.count,
-                variance_policy=old.variance_policy,
-                mu=convert(mean, mean, fresh.mu),
-                nu=convert(old.nu, every.nu, fresh.nu),
-                momentum_mean=convert(old.momentum_mean, every.momentum_mean, fresh.momentum_mean),
-            )
-        if isinstance(fresh, ScheduledMeanState):
-            return fresh._replace(count=old.count, variance_policy=old.variance_policy)
-        if isinstance(fresh, tuple | list) and not hasattr(fresh, "shape"):
-            if len(old) != len(fresh):
-                raise ValueError("fresh_state is not a state of the same optimizer as opt_state.")
-            parts = [convert(o, e, f) for o, e, f in zip(old, every, fresh)]
-            return type(fresh)(*parts) if hasattr(fresh, "_fields") else type(fresh)(parts)
-        if isinstance(fresh, dict):
-            return {key: convert(old[key], every[key], fresh[key]) for key in fresh}
-        return old
-
-    state0 = convert(first, full, fresh0)
+    state0 = Move(params0)(first, full, fresh0)
     placements = [getattr(x, "sharding", None) for x in jax.tree.leaves(fresh_state)]
     leaves, treedef = jax.tree.flatten(state0)
     if treedef != jax.tree.structure(fresh_state):
@@ -235,6 +174,47 @@ def reset_compression(
     )
     sharding = sharding or next((s for s in placements if s is not None), None)
     return workers.replicate(params0, num_workers, sharding), state
+
+
+class Move:
+    """Moves one node of a restored state to the fresh state of another worker count.
+
+    ``Move(params)(old, every, fresh)``: ``old`` is worker 0's node, ``every`` the same node with
+    every old worker's copy (a leading worker axis), ``fresh`` the node of the new state. A
+    state class says how it moves in a ``moved(self, every, fresh, move)`` method (its hook;
+    ``move`` is this object, for the children, and ``move.params`` the synchronised point the
+    new workers start from); a class without one moves field by field, and a leaf keeps worker
+    0's value. This module knows no state class.
+    """
+
+    def __init__(self, params: Any):
+        self.params = params
+
+    def __call__(self, old: Any, every: Any, fresh: Any) -> Any:
+        if hasattr(fresh, "_fields") and type(old) is not type(fresh):
+            raise ValueError(
+                "fresh_state is not a state of the same optimizer as opt_state (a "
+                f"{type(fresh).__name__} where the restored state has {type(old).__name__})."
+            )
+        hook = getattr(fresh, "moved", None)
+        if callable(hook) and type(old) is type(fresh):
+            return old.moved(every, fresh, self)
+        if hasattr(fresh, "_fields"):
+            return type(fresh)(*(self(o, e, f) for o, e, f in zip(old, every, fresh)))
+        if isinstance(fresh, tuple | list) and not hasattr(fresh, "shape"):
+            if not isinstance(old, tuple | list) or len(old) != len(fresh):
+                raise ValueError("fresh_state is not a state of the same optimizer as opt_state.")
+            return type(fresh)(self(o, e, f) for o, e, f in zip(old, every, fresh))
+        if isinstance(fresh, dict):
+            return {key: self(old[key], every[key], fresh[key]) for key in fresh}
+        if hasattr(type(fresh), "tree_unflatten") and not hasattr(fresh, "shape"):
+            raise ValueError("fresh_state is not a state of the same optimizer as opt_state.")
+        return old
+
+    def worker_mean(self, every: Any, fresh: Any) -> Any:
+        """The mean over the old workers of ``every`` (e.g. momenta), moved like ``fresh``."""
+        mean = jax.tree.map(_worker_mean, every)
+        return self(mean, mean, fresh)
 
 
 def _place(x: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:

@@ -42,6 +42,12 @@ class OnebitMeanState(NamedTuple):
     worker_error: Any
     server_error: jax.Array
 
+    def moved(self, every: Any, fresh: OnebitMeanState, move: Any) -> OnebitMeanState:
+        """To another worker count (:func:`~optax_zero_one.reset_compression`): fresh zeros.
+        A worker's residuals are its own and sized for the old count."""
+        del every, move
+        return fresh
+
 
 def check_collective(collective: str) -> None:
     """Raises ``ValueError`` unless ``collective`` names a backend of the compressed mean."""
@@ -92,7 +98,9 @@ def init_state(
 ) -> OnebitMeanState:
     """The zero error buffers for ``params`` (a tree or a flat buffer) on the workers of
     ``axes``, as a transform's ``init`` makes them."""
-    workers = _checks.resolve_num_workers(axes, num_workers)
+    workers = _checks.workers_for(params, axes, num_workers)
+    if _checks.is_placeholder(params):  # no parameters: the state's structure only
+        return OnebitMeanState(jnp.zeros((0,)), jnp.zeros((0,)))
     fast = _checks.fast_size(axes, num_workers)
     return init_errors(flat.layout_of(params, workers), collective, fast=fast)
 
@@ -321,7 +329,7 @@ def masked_compressed_mean(
     """:func:`compressed_mean` as the transforms use it: error buffers zeroed if the mean is not
     finite (a step skipped together), then the mask applied. Returns ``(mean, errors, finite)``."""
     mean, errors, finite = compressed_mean(values, errors, axis_name, collective)
-    errors = _graph.zero_if(jnp.logical_not(finite), errors, like=values.buffer)
+    errors = _graph.zero_unless(finite, errors)
     mean = apply_mask(flat_mask(mask, values.layout, values.buffer.dtype), mean)
     return mean, errors, finite
 

@@ -19,38 +19,41 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_zero_one import _graph
 from optax_zero_one.flat import Layout
 
 # Squares of magnitudes in [2**-50, 2**48) neither flush to subnormals nor overflow when up to
-# 2**31 of them are summed in float32; outside that range the sum is taken after an exact
-# power-of-two prescale (a second pass, only for the leaves' rare out-of-range steps).
+# 2**31 of them are summed in float32. Leaves whose largest magnitude lies outside that range are
+# summed after an exact power-of-two prescale: the three sums (unscaled, scaled down, scaled up)
+# come from one pass, and each leaf takes the one that fits its peak. No branch: a program
+# compiled for one step kind holds no conditional (``docs/design.md``).
 _SAFE_LOW, _SAFE_HIGH = 2.0**-50, 2.0**48
+_DOWN, _UP = 2.0**-96, 2.0**96  # bring peaks in [2**48, 2**128) and [2**-149, 2**-50) in range
 
 
 def _sums_and_peaks(a: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
-    """Per-leaf sum of squares and largest magnitude of ``a`` (``(R, C)``), in one pass."""
+    """Per leaf: the sums of squares of ``a``, ``a * 2**-96`` and ``a * 2**96`` (``(3, L)``)
+    and the largest magnitude (``(L,)``) of ``a`` (``(R, C)``), in one pass."""
     blocks = a.reshape(-1, layout.num_blocks, layout.block)
     zero = jnp.zeros([], a.dtype)
-    sums, peaks = lax.reduce(
-        (jnp.square(blocks), jnp.abs(blocks)),
-        (zero, zero),
-        lambda x, y: (x[0] + y[0], jnp.maximum(x[1], y[1])),
+    magnitude = jnp.abs(blocks)
+    down, up = jnp.asarray(_DOWN, a.dtype), jnp.asarray(_UP, a.dtype)
+    plain, small, large, peaks = lax.reduce(
+        (jnp.square(blocks), jnp.square(blocks * down), jnp.square(blocks * up), magnitude),
+        (zero, zero, zero, zero),
+        lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2], jnp.maximum(x[3], y[3])),
         (0, 2),
     )
     leaf = jnp.asarray(layout.block_leaf)
     n = layout.num_leaves
+    sums = jnp.stack([plain, small, large])
     return (
-        jax.ops.segment_sum(sums, leaf, n, indices_are_sorted=True),
+        jax.ops.segment_sum(sums.T, leaf, n, indices_are_sorted=True).T,
         jax.ops.segment_max(peaks, leaf, n, indices_are_sorted=True),
     )
 
 
 def leaf_rms(a: jax.Array, layout: Layout, lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """``||a_l||_2 / sqrt(length_l)`` for every leaf ``l``: ``(a, scales)``, scales ``(L,)``.
-
-    ``a`` comes back through the loop that handles out-of-range magnitudes; use the returned
-    one afterwards, so that the loop updates it in place instead of copying it.
 
     Args:
       a: ``(R, C)``, zero in the columns that are not the leaf's (the memory padding).
@@ -59,21 +62,12 @@ def leaf_rms(a: jax.Array, layout: Layout, lengths: np.ndarray) -> tuple[jax.Arr
         server's chunk).
     """
     sums, peaks = _sums_and_peaks(a, layout)
-    in_range = (peaks == 0) | ((peaks >= _SAFE_LOW) & (peaks < _SAFE_HIGH))
     lengths = jnp.asarray(np.maximum(lengths, 1), a.dtype)
-    rms = jnp.sqrt(sums / lengths)
-
-    def prescaled(carry: tuple) -> tuple:
-        a, rms, peaks, in_range = carry
-        info = jnp.finfo(a.dtype)
-        # unit stays a normal number (XLA:CPU flushes subnormals to zero)
-        exponent = jnp.clip(jnp.frexp(peaks)[1], info.minexp + 1, info.maxexp - 2)
-        unit = jnp.ldexp(jnp.ones_like(peaks), -exponent)  # exact powers of two
-        scaled = layout.leaf_sums(jnp.square(a * layout.per_column(unit)))
-        return a, jnp.where(in_range, rms, jnp.sqrt(scaled / lengths) / unit), peaks, in_range
-
-    carry = (a, rms, peaks, in_range)
-    a, rms, _, _ = _graph.run_if(~jnp.all(in_range), prescaled, carry, like=a)
+    plain = jnp.sqrt(sums[0] / lengths)
+    scaled_down = jnp.sqrt(sums[1] / lengths) / jnp.asarray(_DOWN, a.dtype)
+    scaled_up = jnp.sqrt(sums[2] / lengths) / jnp.asarray(_UP, a.dtype)
+    in_range = (peaks == 0) | ((peaks >= _SAFE_LOW) & (peaks < _SAFE_HIGH))
+    rms = jnp.where(in_range, plain, jnp.where(peaks >= _SAFE_HIGH, scaled_down, scaled_up))
     return a, rms
 
 

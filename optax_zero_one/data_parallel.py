@@ -24,9 +24,10 @@ worker's update must see its *local* gradient. :class:`DataParallel` does the co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,18 +36,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one import _graph, workers
-
-
-class ShardLocalState(NamedTuple):
-    """State of :meth:`DataParallel.optimizer`: the inner optimizer's state of every model shard.
-
-    Attributes:
-      inner: the inner state, each array with a leading axis of one entry per shard of the
-        other mesh axes (sharded over them): every device keeps the state of its own shard.
-    """
-
-    inner: Any
+from optax_zero_one import _graph, dispatch, workers
+from optax_zero_one.kinds import StepKind, StepSchedule
+from optax_zero_one.workers import ShardLocalState
 
 
 def _names(axis: str | tuple) -> tuple[str, ...]:
@@ -220,16 +212,15 @@ class DataParallel:
             updates: Any, state: ShardLocalState, params: Any = None, **extra: Any
         ) -> tuple[Any, ShardLocalState]:
             values, treedef = leaves(_poison_if_not_finite(updates), "updates")
-            static, dynamic = _split_static(state.inner)
             p_def = None if params is None else leaves(params, "params")[1]
 
             def local(u: Any, s: Any, *p: Any) -> Any:
-                inner = _join_static(static, jax.tree.map(lambda x: x[0], s))
+                inner = jax.tree.map(lambda x: x[0], s)
                 p = [jax.tree.unflatten(p_def, p[0])] if p else []
                 u, inner = tx.update(jax.tree.unflatten(treedef, u), inner, *p, **extra)
                 return jax.tree.leaves(u), _stack(inner)
 
-            args, in_specs = (values, dynamic), (specs, stack)
+            args, in_specs = (values, state.inner), (specs, stack)
             if params is not None:
                 args, in_specs = (*args, jax.tree.leaves(params)), (*in_specs, specs)
             out, inner = self._per_shard(local, in_specs, (specs, stack))(*args)
@@ -281,7 +272,10 @@ class DataParallel:
     # ------------------------------------------------------------------ the step
 
     def jit(
-        self, step: Callable[..., Any], donate: bool = True
+        self,
+        step: Callable[..., Any],
+        donate: bool = True,
+        schedule: StepSchedule | None = None,
     ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]:
         """``step(params, opt_state, batch) -> (params, opt_state, aux)`` over the worker layout.
 
@@ -292,28 +286,46 @@ class DataParallel:
         batch (any tree whose leaves have a leading axis divisible by ``N``), and returns
         params, state and ``aux`` in the worker layout (``aux``'s leaves get a leading worker
         axis). It is jitted; with ``donate`` the params and state buffers are reused.
+
+        With ``schedule`` (the optimizer's :class:`~optax_zero_one.StepSchedule`), ``step``
+        must take a keyword ``step_kind`` and pass it on to ``tx.update``: one program is
+        compiled per step kind, the first time that kind comes up, and the host calls the one
+        for each step (:func:`~optax_zero_one.dispatch_by_kind`), so no program decides a
+        step's kind on the device. Without it, one program decides in the graph.
         """
-        mapped = jax.jit(self.on_workers(step), donate_argnums=(0, 1) if donate else ())
         n = self.num_workers
 
         def split(batch: Any) -> Any:
             return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
         split_jit = jax.jit(split, out_shardings=NamedSharding(self.mesh, P(self.data_axis)))
+        donated = (0, 1) if donate else ()
 
-        def run(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-            self.check_worker_layout(params, "params")
-            self.check_worker_layout(opt_state, "opt_state")
-            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-                if np.ndim(x) == 0 or np.shape(x)[0] % n:
-                    raise ValueError(
-                        f"batch leaf {_leaf_name(path)} has shape {np.shape(x)}: its leading "
-                        f"axis must split into {n} equal parts, one per data worker. Make the "
-                        f"global batch size a multiple of {n}."
-                    )
-            return mapped(params, opt_state, split_jit(batch))
+        def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
+            one = step if kind is None else functools.partial(step, step_kind=kind)
+            mapped = jax.jit(self.on_workers(one), donate_argnums=donated)
 
-        return run
+            def program(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+                self.check_worker_layout(params, "params")
+                self.check_worker_layout(opt_state, "opt_state")
+                self._check_batch(batch)
+                return mapped(params, opt_state, split_jit(batch))
+
+            return program
+
+        if schedule is None:
+            return compile_kind(None)
+        return dispatch.dispatch_by_kind(compile_kind, schedule)
+
+    def _check_batch(self, batch: Any) -> None:
+        n = self.num_workers
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            if np.ndim(x) == 0 or np.shape(x)[0] % n:
+                raise ValueError(
+                    f"batch leaf {_leaf_name(path)} has shape {np.shape(x)}: its leading "
+                    f"axis must split into {n} equal parts, one per data worker. Make the "
+                    f"global batch size a multiple of {n}."
+                )
 
     # ------------------------------------------------------------------ evaluation
 
@@ -329,13 +341,11 @@ class DataParallel:
                 return workers.synchronized_params(p, s)
             if len(found) > 1:
                 raise ValueError("opt_state holds more than one ShardLocalState")
-            static, dynamic = _split_static(found[0].inner)
 
             def local(p: Any, d: Any) -> Any:
-                inner = _join_static(static, jax.tree.map(lambda x: x[0], d))
-                return workers.synchronized_params(p, inner)
+                return workers.synchronized_params(p, jax.tree.map(lambda x: x[0], d))
 
-            return self._per_shard(local, (specs, stack), specs)(p, dynamic)
+            return self._per_shard(local, (specs, stack), specs)(p, found[0].inner)
 
         shardings = self._shardings(specs)
         return jax.jit(
@@ -434,23 +444,6 @@ def _place(x: Any, sharding: NamedSharding) -> jax.Array:
 
 def _stack(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
-
-
-def _split_static(tree: Any) -> tuple[list, Any]:
-    """``(static leaves, tree with them as None)``: a pinned state's counters are Python ints,
-    which do not pass through ``shard_map`` (:func:`~optax_zero_one.pin_step`)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    static = [x if _graph.all_static(x) else None for x in leaves]
-    dynamic = [None if _graph.all_static(x) else x for x in leaves]
-    return [static, treedef], jax.tree.unflatten(treedef, dynamic)
-
-
-def _join_static(static: list, dynamic: Any) -> Any:
-    values, treedef = static
-    leaves = jax.tree.leaves(dynamic, is_leaf=lambda x: x is None)
-    return jax.tree.unflatten(
-        treedef, [s if s is not None else d for s, d in zip(values, leaves, strict=True)]
-    )
 
 
 def _poison_if_not_finite(updates: Any) -> Any:

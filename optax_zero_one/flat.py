@@ -16,7 +16,8 @@ collective sends, so that its payload is a reshape:
 
 :class:`Layout` describes this for a tree of shapes and a worker count; :class:`FlatTree` is a
 pytree holding one such buffer (so ``jax.tree.map`` and optax transforms act on the buffer, and
-the compressor reads the leaf boundaries from it); :func:`flatten` is the transform wrapper
+the compressor reads the leaf boundaries from it); :func:`~optax_zero_one.flatten` (in
+``wrappers.py``) is the transform wrapper
 that converts once on the way in and once on the way out.
 """
 
@@ -288,6 +289,15 @@ class FlatTree:
     def tree_unflatten(cls, layout: Layout, children: Any) -> FlatTree:
         return cls(children[0], layout)
 
+    def moved(self, every: Any, fresh: FlatTree, move: Any) -> FlatTree:
+        """Worker 0's values laid out again for ``fresh``'s worker count (checkpoints moved to
+        another worker count, :func:`~optax_zero_one.reset_compression`)."""
+        del every, move
+        if not isinstance(fresh, FlatTree):
+            raise ValueError("fresh_state is not a state of the same optimizer as opt_state.")
+        tree = FlatTree(jnp.asarray(self.buffer), self.layout).to_tree()
+        return to_flat(tree, fresh.layout, np.asarray(fresh.buffer).dtype)
+
     def shapes(self) -> Any:
         """The tree this buffer holds, as ``jax.ShapeDtypeStruct`` leaves (float32)."""
         return self.layout.shape_tree()
@@ -358,15 +368,16 @@ def zeros(layout: Layout, dtype: Any = jnp.float32) -> FlatTree:
     return FlatTree(jnp.zeros(layout.shape(), dtype), layout)
 
 
-def leaf_offsets(layout: Layout) -> tuple[jax.Array, ...]:
-    """The first column of each leaf, as int32 scalars (:func:`flatten` keeps them in its state)."""
-    return tuple(jnp.asarray(int(s), jnp.int32) for s in layout.starts)
+def leaf_offsets(layout: Layout) -> jax.Array:
+    """The first column of each leaf, int32 ``(leaves,)`` (:func:`flatten` keeps them in its
+    state)."""
+    return jnp.asarray(np.asarray(layout.starts, np.int64).astype(np.int32).reshape(-1))
 
 
 def from_flat(flat: FlatTree, offsets: Any, dtypes: Any) -> Any:
     """The tree a :class:`FlatTree` holds, cut out at ``offsets`` (see
-    :class:`~optax_zero_one.FlattenState`), with the structure and dtypes of ``dtypes`` (a tree
-    of dtypes)."""
+    :class:`~optax_zero_one.FlattenState`, int32 ``(leaves,)``), with the structure and dtypes
+    of ``dtypes`` (a tree of dtypes)."""
     layout = flat.layout
     leaves = []
     for i, (shape, dtype) in enumerate(zip(layout.shapes, jax.tree.leaves(dtypes))):

@@ -8,13 +8,15 @@ whose ``v`` is updated only on the variance policy's steps and stops at its free
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, _graph, policies
+from optax_zero_one import _checks, _graph, kinds, policies
+from optax_zero_one.kinds import StepKind
 
 
 class FrozenVarianceAdamState(NamedTuple):
@@ -28,6 +30,8 @@ class FrozenVarianceAdamState(NamedTuple):
       momentum_mean: the state of ``momentum_mean`` (``optax.EmptyState`` without one).
       dropped_grads: int32, steps after the freeze at which this worker's gradient was not
         finite and was replaced by zero (only with a ``momentum_mean``).
+      refused_hint: int32 ``(2,)``: refused hints and the branch asked for at the last one
+        (as in :class:`~optax_zero_one.ScheduledMeanState`).
     """
 
     count: jax.Array
@@ -36,6 +40,28 @@ class FrozenVarianceAdamState(NamedTuple):
     nu: optax.Updates
     momentum_mean: optax.OptState
     dropped_grads: jax.Array
+    refused_hint: jax.Array
+
+    STEP_COUNTER = "count"
+    REFUSED_HINT = "refused_hint"
+    BRANCHES = ("update v (variance step)", "keep v (phase A)", "frozen v (phase B)")
+
+    def moved(self, every: Any, fresh: FrozenVarianceAdamState, move: Any) -> Any:
+        """To another worker count (:func:`~optax_zero_one.reset_compression`): ``m`` the mean
+        of the old workers' (they differ during local steps), the rest as worker 0 has it."""
+        return fresh._replace(
+            count=self.count,
+            variance_policy=self.variance_policy,
+            mu=move.worker_mean(every.mu, fresh.mu),
+            nu=move(self.nu, every.nu, fresh.nu),
+            momentum_mean=move(self.momentum_mean, every.momentum_mean, fresh.momentum_mean),
+            dropped_grads=self.dropped_grads,
+            refused_hint=self.refused_hint,
+        )
+
+
+# What this transform does at a step: update v, keep v (phase A), or run frozen (phase B).
+UPDATE_V, KEEP_V, FROZEN = range(3)
 
 
 def scale_by_frozen_variance_adam(
@@ -44,6 +70,7 @@ def scale_by_frozen_variance_adam(
     eps: float = 1e-8,
     variance_policy: policies.VariancePolicy | None = None,
     momentum_mean: optax.GradientTransformation | None = None,
+    axis_name: str | tuple[str, str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Rescales updates by Adam's moments, the second moment updated only where a policy says.
 
@@ -62,11 +89,20 @@ def scale_by_frozen_variance_adam(
     momentum across workers after the freeze: with :func:`~optax_zero_one.onebit_mean` this is
     1-bit Adam's compressed stage.
 
+    Step kinds: with ``step_kind=`` (a static :class:`~optax_zero_one.StepKind`) ``update``
+    traces that kind alone (``phase_a``, ``variance``) and checks it against the counters; a
+    step whose hint is wrong gives a NaN update (so that a guard such as
+    :func:`~optax_zero_one.skip_not_finite` skips it) and keeps the state. Without it the
+    kind is chosen in the graph.
+
     Args:
       b1, b2, eps: Adam's constants.
       variance_policy: when to update ``v`` and when to freeze it (default
         :class:`~optax_zero_one.VarianceDoubling` ``(100_000, 16)``).
       momentum_mean: optional transform applied to ``m`` at every step after the freeze.
+      axis_name: the worker axis (or ``(slow, fast)`` pair) when workers are simulated with
+        ``jax.vmap``, so that a step decided in the graph is decided once for all of them (this
+        transform communicates nothing itself). Optional elsewhere.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`FrozenVarianceAdamState`.
@@ -96,61 +132,75 @@ def scale_by_frozen_variance_adam(
             nu=zeros(),
             momentum_mean=momentum_mean.init(zeros()) if momentum_mean else optax.EmptyState(),
             dropped_grads=jnp.zeros([], jnp.int32),
+            refused_hint=_graph.no_refusals(),
         )
+
+    def branch_of(kind: StepKind) -> int:
+        if not kind.phase_a:
+            return FROZEN
+        return UPDATE_V if kind.variance else KEEP_V
+
+    def expected(state: FrozenVarianceAdamState) -> jax.Array:
+        k = state.count + 1
+        phase_a = k <= policy.freeze_step
+        variance = jnp.logical_and(phase_a, policy.is_update_step(state.variance_policy, k))
+        return _graph.index_of([variance, phase_a, True])
 
     def update_fn(
         updates: Any, state: FrozenVarianceAdamState, params: Any, **extra_args: Any
     ) -> Any:
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
-        k = state.count + 1
-        frozen = k > policy.freeze_step
-        variance_step = _graph.both(
-            _graph.negate(frozen), policy.is_update_step(state.variance_policy, k)
-        )
+        kind = kinds.check_step_kind(extra_args.get("step_kind"), "scale_by_frozen_variance_adam")
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
+        now = expected(state)
+        run = lambda branch, operand: step(branch, *operand, params, extra_args)  # noqa: E731
+        if kind is None:
+            branches = [functools.partial(run, b) for b in (UPDATE_V, KEEP_V, FROZEN)]
+            return _graph.switch(now, branches, (grads, state), axis_name)
+        branch = branch_of(kind)
+        direction, new_state = run(branch, (grads, state))
+        ok = now == branch  # a wrong hint is not applied: NaN for the guard, state kept
+        nan = jax.tree.map(lambda d: jnp.where(ok, d, jnp.nan), direction)
+        return nan, _graph.refuse_unless(ok, now, new_state, state)
 
-        # Before the freeze the input is a mean over the workers: if it is not finite, every
-        # worker keeps its state (the check comes first, so the writes below can keep it).
-        # After it, with a momentum_mean, the input is this worker's own: dropped if not finite.
-        checked = _graph.negate(frozen) if momentum_mean is None else True
-        grads, ok = _graph.check_finite_if(checked, grads, jnp.ones([], bool))
-        drop = _graph.both(frozen, jnp.logical_not(ok)) if momentum_mean is not None else False
-        ok = jnp.logical_or(ok, frozen) if momentum_mean is not None else ok
-        if momentum_mean is not None:
-            grads = _graph.zero_if(drop, grads, like=grads)
+    def step(
+        branch: int, grads: Any, state: FrozenVarianceAdamState, params: Any, extra_args: dict
+    ) -> tuple:
+        k = state.count + 1
+        frozen = branch == FROZEN
+        averaged, drop = state.momentum_mean, jnp.zeros([], bool)
+        if not frozen:
+            # Before the freeze the input is a mean over the workers: if it is not finite, every
+            # worker keeps its state (the selects below keep it) and the output is NaN.
+            ok = _graph.all_finite(grads)
+        elif momentum_mean is not None:
+            # After it, with a momentum_mean, the input is this worker's own: dropped if not
+            # finite (replaced by zero), and the momentum is averaged.
+            drop = jnp.logical_not(_graph.all_finite(grads))
+            grads = _graph.zero_unless(jnp.logical_not(drop), grads)
+            ok = jnp.ones([], bool)
+        else:
+            ok = jnp.ones([], bool)  # local gradients, already checked by who passes them
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         mu = jax.tree.map(lambda m, g: keep(b1 * m + (1 - b1) * g, m), state.mu, grads)
-
-        def update_variance(carry: Any) -> Any:
-            g, v = carry
-            return g, jax.tree.map(lambda v, g: keep(b2 * v + (1 - b2) * jnp.square(g), v), v, g)
-
-        grads, nu = _graph.run_if(variance_step, update_variance, (grads, state.nu), like=grads)
-        averaged = state.momentum_mean
-        if momentum_mean is not None:
-
-            def average(carry: Any) -> Any:
-                m, inner, _ = carry
-                mean, inner = momentum_mean.update(m, inner, params, **extra_args)
-                good = _graph.all_finite(mean)  # an overflow: skipped together
-                return jax.tree.map(lambda x, o: jnp.where(good, x, o), mean, m), inner, good
-
-            mu, averaged, good = _graph.run_if(
-                frozen, average, (mu, averaged, jnp.ones([], bool)), like=grads
-            )
-            ok = jnp.logical_and(ok, good)
+        nu = state.nu
+        if branch == UPDATE_V:
+            nu = jax.tree.map(lambda v, g: keep(b2 * v + (1 - b2) * jnp.square(g), v), nu, grads)
+        if frozen and momentum_mean is not None:
+            mean, averaged = momentum_mean.update(mu, averaged, params, **extra_args)
+            ok = _graph.all_finite(mean)  # an overflow: skipped together
+            mu = jax.tree.map(lambda x, o: jnp.where(ok, x, o), mean, mu)
         direction = jax.tree.map(
             lambda m, v: jnp.where(ok, m / (jnp.sqrt(v) + eps), jnp.nan), mu, nu
         )
         advanced = FrozenVarianceAdamState(
             count=optax.safe_increment(state.count),
-            variance_policy=policies.advance(
-                policy, state.variance_policy, k, _graph.negate(frozen)
-            ),
+            variance_policy=policies.advance(policy, state.variance_policy, k, not frozen),
             mu=mu,
             nu=nu,
             momentum_mean=averaged,
-            dropped_grads=state.dropped_grads + jnp.asarray(drop, jnp.int32),
+            dropped_grads=state.dropped_grads + drop.astype(jnp.int32),
+            refused_hint=state.refused_hint,
         )
         return direction, _graph.restore_scalars(ok, advanced, state)
 

@@ -1,26 +1,22 @@
-"""Step kinds: what each step of a run communicates, from the policies alone; pinning a state
-to one step.
+"""Step kinds: what each step of a run does, from the step number and the policies alone.
 
 0/1 Adam's steps are of four kinds (``docs/algorithm.md``, "Step kinds"), 1-bit Adam's of two;
-which kind a step is follows from the policies and the step number only. So a whole run's
-kinds can be listed without running anything (to count bytes and rounds), and a state can be
-*pinned* to step ``k``: its counters replaced by the Python ints they hold before step ``k``,
-so that tracing ``update`` sees the kind as a constant and compiles that kind alone (to read
-its collectives, or to time it).
+which kind a step is follows from the policies and the step number only, so the host knows it
+before the step runs. A :class:`StepKind` is that knowledge as a static value: pass it to an
+optimizer's ``update`` as ``step_kind=`` and the program traces that kind alone, with no
+conditional in the graph (``docs/design.md``). A :class:`StepSchedule` lists the kinds of a run
+(to count bytes and rounds, or to pick the program for each step:
+:func:`~optax_zero_one.dispatch_by_kind`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from optax_zero_one import _graph, policies
-from optax_zero_one.frozen_variance import FrozenVarianceAdamState
-from optax_zero_one.local_steps import LocalStepSyncState
-from optax_zero_one.scheduled_mean import ScheduledMeanState
 
 STEP_KINDS = ("variance", "compressed", "local", "sync")
 """0/1 Adam's step kinds, in the order of the indices :func:`step_kinds` returns."""
@@ -28,25 +24,158 @@ STEP_KINDS = ("variance", "compressed", "local", "sync")
 ONEBIT_STEP_KINDS = ("warmup", "compressed")
 """1-bit Adam's step kinds: full-precision warm-up, then compressed momentum."""
 
-VARIANCE, COMPRESSED, LOCAL, SYNC = range(4)
+
+@dataclasses.dataclass(frozen=True)
+class StepKind:
+    """The static facts of one kind of step, as the transforms read them from ``step_kind=``.
+
+    Attributes:
+      name: the kind's name (``"variance"``, ``"compressed"``, ``"local"``, ``"sync"`` for 0/1
+        Adam; ``"warmup"``, ``"compressed"`` for 1-bit Adam).
+      phase_a: the step is at or before the freeze step (the variance may still move; the
+        gradient is averaged across workers).
+      variance: a phase-A step that updates the variance (a full-precision mean).
+      sync: a phase-B step on which :func:`~optax_zero_one.local_step_sync` synchronises.
+
+    Each transform reads the facts it is about: :func:`~optax_zero_one.scheduled_mean` and
+    :func:`~optax_zero_one.scale_by_frozen_variance_adam` ``phase_a`` and ``variance``,
+    :func:`~optax_zero_one.local_step_sync` ``phase_a`` (as ``step <= start_step``) and
+    ``sync``. Every transform checks the hint against its counters (a scalar compare) and does
+    not apply a step whose hint is wrong.
+    """
+
+    name: str
+    phase_a: bool
+    variance: bool = False
+    sync: bool = False
+
+    def __repr__(self) -> str:
+        return f"StepKind({self.name!r})"
 
 
-def kind_of(
-    step: Any,
-    variance_state: Any,
-    local_state: Any,
-    variance_policy: policies.VariancePolicy,
-    local_step_policy: policies.LocalStepPolicy,
-) -> Any:
-    """The 0/1 Adam kind of ``step`` given the policies' counters before it (ints or arrays)."""
-    phase_a = step <= variance_policy.freeze_step
-    variance = variance_policy.is_update_step(variance_state, step)
-    sync = local_step_policy.is_sync_step(local_state, step)
-    if all(isinstance(v, bool | int | np.bool_ | np.integer) for v in (phase_a, variance, sync)):
-        return (VARIANCE if variance else COMPRESSED) if phase_a else (SYNC if sync else LOCAL)
-    return jnp.where(
-        phase_a, jnp.where(variance, VARIANCE, COMPRESSED), jnp.where(sync, SYNC, LOCAL)
-    ).astype(jnp.int32)
+VARIANCE = StepKind("variance", phase_a=True, variance=True)
+COMPRESSED = StepKind("compressed", phase_a=True)
+LOCAL = StepKind("local", phase_a=False)
+SYNC = StepKind("sync", phase_a=False, sync=True)
+WARMUP = StepKind("warmup", phase_a=True, variance=True)
+ONEBIT_COMPRESSED = StepKind("compressed", phase_a=False)
+
+ZERO_ONE_KINDS = (VARIANCE, COMPRESSED, LOCAL, SYNC)
+ONEBIT_KINDS = (WARMUP, ONEBIT_COMPRESSED)
+
+
+def check_step_kind(step_kind: Any, where: str) -> StepKind | None:
+    """``step_kind`` if it is ``None`` or a :class:`StepKind`; a clear ``ValueError`` otherwise."""
+    if step_kind is None or isinstance(step_kind, StepKind):
+        return step_kind
+    raise ValueError(
+        f"{where}: step_kind must be None (decide in the graph) or an optax_zero_one.StepKind, "
+        f"e.g. schedule.kind(step) of an optax_zero_one.StepSchedule; got {step_kind!r}. A "
+        "plain name is ambiguous ('compressed' is a phase-A step of 0/1 Adam but a phase-B "
+        "step of 1-bit Adam)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSchedule:
+    """The kind of every step of a run, on the host, from the optimizer's policies.
+
+    ``StepSchedule(variance_policy, local_step_policy)`` for 0/1 Adam (kinds
+    :data:`STEP_KINDS`); ``StepSchedule(FullPrecisionWarmup(T))`` for 1-bit Adam (kinds
+    :data:`ONEBIT_STEP_KINDS`). :func:`zero_one_schedule` and :func:`onebit_schedule` build
+    them from the optimizers' arguments.
+
+    Args:
+      variance_policy: the optimizer's variance policy (its ``freeze_step`` ends phase A).
+      local_step_policy: 0/1 Adam's local-step policy; ``None`` for 1-bit Adam.
+
+    Example:
+      >>> schedule = StepSchedule(VarianceDoubling(4, 2), LocalStepDoubling(2, 2))
+      >>> [schedule.kind(k).name for k in (1, 3, 5, 6)]
+      ['variance', 'compressed', 'local', 'sync']
+    """
+
+    variance_policy: Any
+    local_step_policy: Any = None
+
+    @property
+    def kinds(self) -> tuple[StepKind, ...]:
+        """This optimizer's kinds, in the order of :meth:`indices`."""
+        return ONEBIT_KINDS if self.local_step_policy is None else ZERO_ONE_KINDS
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.kinds)
+
+    def indices(self, num_steps: int, first: int = 1) -> np.ndarray:
+        """The kind (an index into :attr:`kinds`) of each step ``first..num_steps``."""
+        out = np.empty(max(num_steps - first + 1, 0), dtype=np.int8)
+        walk = _Walk(self)
+        for k in range(first, num_steps + 1):
+            out[k - first] = self.kinds.index(walk.kind(k))
+        return out
+
+    def kind(self, step: int) -> StepKind:
+        """The kind of update ``step`` (1-based). Walks the policies from step 1 (cheap: a
+        100,000-step run walks in ~0.1 s); a dispatcher walks once, incrementally."""
+        return _Walk(self).kind(step)
+
+
+class _Walk:
+    """The policies advanced step by step on the host, as the optimizer advances them."""
+
+    def __init__(self, schedule: StepSchedule):
+        self.schedule = schedule
+        self.variance = schedule.variance_policy.init()
+        local = schedule.local_step_policy
+        self.local = None if local is None else local.init()
+        self.step = 0  # the last step walked past
+        self.freeze = schedule.variance_policy.freeze_step
+
+    def kind(self, step: int) -> StepKind:
+        """The kind of ``step`` (>= every step asked before; restarts the walk otherwise)."""
+        if step <= self.step:
+            self.__init__(self.schedule)
+        while self.step < step - 1:
+            self._advance(self.step + 1)
+        return self._kind(step)
+
+    def _kind(self, k: int) -> StepKind:
+        vp, lp = self.schedule.variance_policy, self.schedule.local_step_policy
+        if k <= self.freeze:
+            variance = bool(vp.is_update_step(self.variance, k))
+            if lp is None:
+                return WARMUP if variance else ONEBIT_COMPRESSED
+            return VARIANCE if variance else COMPRESSED
+        if lp is None:
+            return ONEBIT_COMPRESSED
+        return SYNC if bool(lp.is_sync_step(self.local, k)) else LOCAL
+
+    def _advance(self, k: int) -> None:
+        if k <= self.freeze:
+            self.variance = self.schedule.variance_policy.next(self.variance, k)
+        elif self.local is not None:
+            self.local = self.schedule.local_step_policy.next(self.local, k)
+        self.step = k
+
+
+def zero_one_schedule(
+    var_freeze_step: int = 100_000,
+    var_update_scaler: int = 16,
+    local_step_scaler: int = 32_678,
+    local_step_clipper: int = 16,
+) -> StepSchedule:
+    """The :class:`StepSchedule` of :func:`~optax_zero_one.zero_one_adam` with these arguments
+    (same names, same defaults)."""
+    return StepSchedule(
+        policies.VarianceDoubling(var_freeze_step, var_update_scaler),
+        policies.LocalStepDoubling(local_step_scaler, local_step_clipper),
+    )
+
+
+def onebit_schedule(freeze_step: int = 100_000) -> StepSchedule:
+    """The :class:`StepSchedule` of :func:`~optax_zero_one.onebit_adam` with ``freeze_step``."""
+    return StepSchedule(policies.FullPrecisionWarmup(freeze_step))
 
 
 def step_kinds(
@@ -56,22 +185,11 @@ def step_kinds(
 ) -> np.ndarray:
     """0/1 Adam's kind (an index into :data:`STEP_KINDS`) of each step ``1..num_steps``.
 
-    Walks the policies once, advancing them as the optimizer does (the variance policy through
-    phase A, the local-step policy through phase B).
-
     Example:
       >>> step_kinds(VarianceDoubling(4, 2), LocalStepDoubling(2, 2), 8)
       array([0, 0, 1, 0, 2, 3, 2, 3], dtype=int8)
     """
-    vs, ls = variance_policy.init(), local_step_policy.init()
-    kinds = np.empty(num_steps, dtype=np.int8)
-    for k in range(1, num_steps + 1):
-        kinds[k - 1] = kind_of(k, vs, ls, variance_policy, local_step_policy)
-        if k <= variance_policy.freeze_step:
-            vs = variance_policy.next(vs, k)
-        else:
-            ls = local_step_policy.next(ls, k)
-    return kinds
+    return StepSchedule(variance_policy, local_step_policy).indices(num_steps)
 
 
 def onebit_step_kinds(freeze_step: int, num_steps: int) -> np.ndarray:
@@ -79,127 +197,30 @@ def onebit_step_kinds(freeze_step: int, num_steps: int) -> np.ndarray:
     return (np.arange(1, num_steps + 1) > freeze_step).astype(np.int8)
 
 
-def step_kind(
-    state: Any,
-    variance_policy: policies.VariancePolicy,
-    local_step_policy: policies.LocalStepPolicy | None = None,
-) -> Any:
-    """The kind of the next update of a 0/1 Adam (or 1-bit Adam) state, from its counters.
+def step_count(state: Any) -> int:
+    """The number of updates an optimizer state has taken, read on the host (one device read).
 
-    An int32 array (an index into :data:`STEP_KINDS`; for 1-bit Adam, with no local-step
-    policy, into :data:`ONEBIT_STEP_KINDS`), or a Python int for a pinned state.
+    Found through the state classes' ``STEP_COUNTER`` hook; in the worker layout, worker 0's
+    (the counters are equal on every worker). ``ValueError`` for a state without a counter.
     """
-    scheduled = _graph.only_node(state, ScheduledMeanState, "step_kind")
-    step = scheduled.count + 1
-    if local_step_policy is None:
-        after = step > variance_policy.freeze_step
-        return int(after) if isinstance(after, bool) else after.astype("int32")
-    local = _graph.only_node(state, LocalStepSyncState, "step_kind")
-    return kind_of(
-        step, scheduled.variance_policy, local.local_step_policy, variance_policy, local_step_policy
-    )
-
-
-def pin_step(
-    state: Any,
-    step: int,
-    variance_policy: policies.VariancePolicy,
-    local_step_policy: policies.LocalStepPolicy | None = None,
-    start_step: int | None = None,
-) -> Any:
-    """``state`` with every counter replaced by the Python int it holds before update ``step``.
-
-    Tracing ``update`` on the result compiles only that step's kind (the kind is a constant).
-    The buffers are left as they are, so a pinned state is for compiling and timing one kind,
-    not for training. Pins the counters of :func:`~optax_zero_one.scheduled_mean`,
-    :func:`~optax_zero_one.scale_by_frozen_variance_adam` and
-    :func:`~optax_zero_one.local_step_sync` (whose local steps start after ``start_step``,
-    default the variance freeze step) wherever they are in ``state``.
-
-    Args:
-      state: an optimizer state (any nesting, arrays or ``jax.ShapeDtypeStruct``).
-      step: the 1-based update to pin to.
-      variance_policy: the optimizer's variance policy.
-      local_step_policy: 0/1 Adam's local-step policy (``None`` for 1-bit Adam).
-      start_step: the step after which local steps begin (default: the freeze step).
-    """
-    freeze = variance_policy.freeze_step
-    start = freeze if start_step is None else start_step
-    variance = _ints(policies.state_before(variance_policy, 1, min(step, freeze + 1)))
-    local = None
-    if local_step_policy is not None:
-        local = _ints(policies.state_before(local_step_policy, start + 1, max(step, start + 1)))
-
-    def pin(node: Any) -> Any:
-        if isinstance(node, LocalStepSyncState):
-            if local is None:
-                return node
-            return node._replace(count=step - 1, local_step_policy=local, anchored=step - 1 > start)
-        return node._replace(count=step - 1, variance_policy=variance)
-
-    return _map_counted(state, pin)
-
-
-def _ints(tree: Any) -> Any:
-    return jax.tree.map(int, tree)
-
-
-def share_counters(state: Any, axis_name: str | None) -> Any:
-    """Under ``jax.vmap`` (simulated workers), the counters that decide the step kind, taken
-    once for all workers; elsewhere ``state`` unchanged.
-
-    The counters are identical on every worker by construction. Under ``vmap`` each worker
-    still holds its own copy, so every kind's zero-or-one-trip loop would be *batched*: JAX then
-    runs it while any worker needs it and selects every carried buffer on every trip, which
-    costs passes over the buffers that a real device never pays. A ``pmax`` over the simulated
-    axis (no communication under ``vmap``) makes the kind one value, so the loops compile as
-    they do on one device. Under ``shard_map`` and ``pmap`` nothing changes (and nothing is
-    communicated): each device decides from its own counters.
-    """
-    if axis_name is None or _graph.worker_axes(axis_name):
-        return state
-    try:
-        jax.lax.axis_size(axis_name)
-    except NameError:
-        return state
-
-    def one(tree: Any) -> Any:
-        return jax.tree.map(
-            lambda x: x if _graph.all_static(x) else jax.lax.pmax(x, axis_name), tree
+    counter = _graph.step_counter(state)
+    if counter is None:
+        raise ValueError(
+            "This state holds no step counter of optax_zero_one's transforms (a state made by "
+            "zero_one_adam, onebit_adam or one of their blocks is needed)."
         )
-
-    def share(node: Any) -> Any:
-        if isinstance(node, LocalStepSyncState):
-            return node._replace(
-                count=one(node.count),
-                local_step_policy=one(node.local_step_policy),
-                anchored=node.anchored
-                if _graph.all_static(node.anchored)
-                else one(node.anchored.astype(jnp.int32)).astype(bool),
-            )
-        return node._replace(count=one(node.count), variance_policy=one(node.variance_policy))
-
-    return _map_counted(state, share)
+    return int(first_value(counter))
 
 
-_COUNTED = ScheduledMeanState | FrozenVarianceAdamState | LocalStepSyncState
+def first_value(x: Any) -> Any:
+    """The first entry of an array this process can read (a replicated or per-worker counter),
+    without communication."""
+    shards = getattr(x, "addressable_shards", None)
+    if shards:
+        x = shards[0].data
+    return np.asarray(x).reshape(-1)[0]
 
 
-def _map_counted(state: Any, fn: Any) -> Any:
-    """``fn`` applied to every state in ``state`` whose counters decide the step kind
-    (:class:`ScheduledMeanState`, :class:`FrozenVarianceAdamState`, :class:`LocalStepSyncState`),
-    including those nested in a ``momentum_mean`` or an ``inner_state``."""
-
-    def node_fn(node: Any) -> Any:
-        if not isinstance(node, _COUNTED):
-            return node
-        if isinstance(node, FrozenVarianceAdamState):
-            node = node._replace(momentum_mean=walk(node.momentum_mean))
-        if isinstance(node, LocalStepSyncState):
-            node = node._replace(inner_state=walk(node.inner_state))
-        return fn(node)
-
-    def walk(tree: Any) -> Any:
-        return jax.tree.map(node_fn, tree, is_leaf=lambda x: isinstance(x, _COUNTED))
-
-    return walk(state)
+def step_kind(state: Any, schedule: StepSchedule) -> StepKind:
+    """The kind of the next update of ``state`` (host side: reads the counter once)."""
+    return schedule.kind(step_count(state) + 1)

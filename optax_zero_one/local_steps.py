@@ -4,28 +4,31 @@ The third of 0/1 Adam's ideas (``docs/algorithm.md``, "Phase B"): after a start 
 workers run the inner transform on their own gradients, and on the steps a local-step policy
 names they replace the interval's local updates by their 1-bit compressed average and all
 return to one synchronised point. Around ``optax.sgd`` this is local SGD with 1-bit model
-averaging; around a frozen-variance Adam it is 0/1 Adam's sync (:class:`FrozenAdamSync`).
+averaging; around a frozen-variance Adam it is 0/1 Adam's sync
+(:class:`~optax_zero_one.FrozenAdamSync`, which lives beside :func:`~optax_zero_one.zero_one_adam`).
 
 What the wrapper needs of the inner state, and may set in it, is the business of a *sync rule*:
 what to send (``u``, or ``u`` weighted per element), and what to reset after a sync (e.g. the
-momentum). :class:`ParamsAverage` needs nothing; :class:`FrozenAdamSync` and
-:class:`MomentumAverage` read and set named fields of the inner state.
+momentum). :class:`ParamsAverage` needs nothing; :class:`MomentumAverage` (and 0/1 Adam's
+rule) read and set named fields of the inner state. The wrapper itself never opens the inner
+state: what it needs of it, the rule gives it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+import functools
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from optax_zero_one import _checks, _graph, flat, policies
+from optax_zero_one import _checks, _graph, flat, kinds, policies
 from optax_zero_one import collective as collective_lib  # `collective` names the backend
 from optax_zero_one.flat import FlatTree
-from optax_zero_one.frozen_variance import FrozenVarianceAdamState
-from optax_zero_one.scheduled_mean import ScheduledMeanState
+from optax_zero_one.kinds import StepKind
 
 
 class LocalStepSyncState(NamedTuple):
@@ -46,6 +49,8 @@ class LocalStepSyncState(NamedTuple):
       dropped_local_grads: int32, local steps at which *this* worker's gradient was not finite
         and was replaced by zero.
       inner_state: the inner transform's state.
+      refused_hint: int32 ``(2,)``: refused hints and the branch asked for at the last one
+        (as in :class:`~optax_zero_one.ScheduledMeanState`).
     """
 
     count: jax.Array
@@ -57,6 +62,35 @@ class LocalStepSyncState(NamedTuple):
     skipped_updates: jax.Array
     dropped_local_grads: jax.Array
     inner_state: optax.OptState
+    refused_hint: jax.Array
+
+    STEP_COUNTER = "count"
+    REFUSED_HINT = "refused_hint"
+    BRANCHES = ("pass through (before start_step)", "a local step", "a sync")
+
+    def moved(self, every: Any, fresh: LocalStepSyncState, move: Any) -> LocalStepSyncState:
+        """To another worker count (:func:`~optax_zero_one.reset_compression`): every new
+        worker starts at the last synchronised point with an empty interval; counters carry
+        on; the error buffers (own or the inner state's) start afresh."""
+        if isinstance(self.anchor, FlatTree):
+            anchor = flat.to_flat(move.params, fresh.anchor.layout, fresh.anchor.buffer.dtype)
+        else:
+            anchor = jax.tree.map(lambda p, a: np.asarray(p, a.dtype), move.params, self.anchor)
+        return fresh._replace(
+            count=self.count,
+            local_step_policy=self.local_step_policy,
+            anchor=anchor,
+            anchored=self.anchored,
+            lr_sum=np.zeros_like(self.lr_sum),
+            skipped_updates=self.skipped_updates,
+            dropped_local_grads=self.dropped_local_grads,
+            inner_state=move(self.inner_state, every.inner_state, fresh.inner_state),
+            refused_hint=self.refused_hint,
+        )
+
+
+# What the wrapper does at a step: pass through (before start_step), a local step, a sync.
+PASS, LOCAL, SYNC = range(3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +129,13 @@ class ParamsAverage:
         del errors
         return inner_state
 
+    #: Whether the inner transform is past its own phase A whenever the wrapper is past
+    #: ``start_step`` (then, deciding in the graph, the wrapper tells it so at local steps and
+    #: syncs, and the program holds the inner transform's phase-A branches once, not thrice).
+    inner_frozen_after_start: ClassVar[bool] = False
 
-def _replace(tree: Any, cls: type, fn: Any) -> Any:
+
+def replace_nodes(tree: Any, cls: type, fn: Any) -> Any:
     return jax.tree.map(
         lambda node: fn(node) if isinstance(node, cls) else node,
         tree,
@@ -104,15 +143,11 @@ def _replace(tree: Any, cls: type, fn: Any) -> Any:
     )
 
 
-def _divide_by_sum(mean: Any, lr_sum: jax.Array) -> Any:
+def divide_by_sum(mean: Any, lr_sum: jax.Array) -> Any:
     """``mean / lr_sum`` (zero if the learning rates of the interval sum to zero)."""
     positive = lr_sum > 0
     inverse = jnp.where(positive, 1.0 / jnp.where(positive, lr_sum, 1.0), 0.0)
     return jax.tree.map(lambda w: w * inverse.astype(w.dtype), mean)
-
-
-def _keep(ok: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,60 +167,8 @@ class MomentumAverage(ParamsAverage):
 
     def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
         old = _graph.only_node(inner_state, optax.TraceState, "MomentumAverage").trace
-        momentum = _keep(ok, _divide_by_sum(mean, lr_sum), old)
-        return _replace(inner_state, optax.TraceState, lambda s: s._replace(trace=momentum))
-
-
-@dataclasses.dataclass(frozen=True)
-class FrozenAdamSync(ParamsAverage):
-    r"""0/1 Adam's sync rule, for an inner chain holding one
-    :class:`~optax_zero_one.FrozenVarianceAdamState` (and a
-    :class:`~optax_zero_one.ScheduledMeanState`)::
-
-        payload w = u (sqrt(v) + eps)       (linear in the interval's momenta: v is frozen)
-        after it: m <- what / sum(lr)       (the learning-rate-weighted mean momentum)
-
-    It lends the wrapper the error buffers of the inner :func:`~optax_zero_one.scheduled_mean`,
-    which are idle (and zero) after the variance freeze, so 0/1 Adam keeps one set of error
-    buffers; the wrapper's ``start_step`` must not come before the freeze (checked).
-
-    Args:
-      learning_rate: the inner chain's learning rate (float or schedule of the count).
-      eps: Adam's ``eps`` (as in the inner transform).
-      variance_policy: the inner transform's variance policy (for its freeze step).
-    """
-
-    learning_rate: optax.ScalarOrSchedule = 0.0
-    eps: float = 1e-8
-    variance_policy: Any = None
-
-    def learning_rate_at(self, count: jax.Array) -> Any:
-        return _checks.evaluate(self.learning_rate, count)
-
-    def weight(self, inner_state: Any) -> Any:
-        nu = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").nu
-        return jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, nu)
-
-    def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
-        old = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").mu
-        momentum = _keep(ok, _divide_by_sum(mean, lr_sum), old)
-        return _replace(inner_state, FrozenVarianceAdamState, lambda s: s._replace(mu=momentum))
-
-    def errors(self, inner_state: Any, start_step: int) -> Any:
-        found = _graph.only_node(inner_state, ScheduledMeanState, "FrozenAdamSync")
-        if not isinstance(found.errors, collective_lib.OnebitMeanState):
-            return None
-        freeze = getattr(self.variance_policy, "freeze_step", None)
-        if freeze is None or (_graph.all_static(start_step, freeze) and start_step < freeze):
-            raise ValueError(
-                f"FrozenAdamSync borrows the scheduled mean's error buffers, which are idle only "
-                f"after the variance freeze (step {freeze}); local_step_sync's start_step "
-                f"({start_step}) must be at least that."
-            )
-        return found.errors
-
-    def with_errors(self, inner_state: Any, errors: Any) -> Any:
-        return _replace(inner_state, ScheduledMeanState, lambda s: s._replace(errors=errors))
+        momentum = _graph.keep_if(ok, divide_by_sum(mean, lr_sum), old)
+        return replace_nodes(inner_state, optax.TraceState, lambda s: s._replace(trace=momentum))
 
 
 def local_step_sync(
@@ -235,7 +218,7 @@ def local_step_sync(
       axis_name: the worker axis, or ``None`` for one worker.
       start_step: the last step before local steps begin (0: from the first step).
       rule: what a sync sends and resets (default :class:`ParamsAverage`; 0/1 Adam uses
-        :class:`FrozenAdamSync`, SGD with momentum :class:`MomentumAverage`).
+        :class:`~optax_zero_one.FrozenAdamSync`, SGD with momentum :class:`MomentumAverage`).
       num_workers: needed only when ``init`` runs outside the mapped context.
       collective: the backend of the compressed mean (``"two_phase"`` or ``"psum"``).
       mask: optional tree of 0/1 like the params, multiplying the synchronised average.
@@ -259,12 +242,18 @@ def local_step_sync(
     collective_lib.check_collective(collective)
     collective_lib.check_hierarchy(fast_axis_name, collective)
     rule = rule or ParamsAverage()
+    inner = optax.with_extra_args_support(inner)
+    # Whether the first step after start_step is a sync whatever happens (LocalStepDoubling's
+    # interval starts at 1): then a local step never has to take the synchronised point.
+    first_is_sync = _static_truth(
+        local_step_policy.is_sync_step(local_step_policy.init(), start_step + 1)
+    )
 
     def init_fn(params: optax.Params) -> LocalStepSyncState:
         _checks.check_float_leaves(params, "params")
         is_flat = isinstance(params, FlatTree)
         _checks.check_mask(mask, params.shapes() if is_flat else params)
-        _checks.resolve_num_workers(axes, num_workers)
+        _checks.workers_for(params, axes, num_workers)
         inner_state = inner.init(params)
         borrowed = rule.errors(inner_state, start_step)
         own = (
@@ -285,57 +274,85 @@ def local_step_sync(
             skipped_updates=jnp.zeros([], jnp.int32),
             dropped_local_grads=jnp.zeros([], jnp.int32),
             inner_state=inner_state,
+            refused_hint=_graph.no_refusals(),
         )
         return _graph.worker_state(state, axes)
+
+    def branch_of(kind: StepKind) -> int:
+        return PASS if kind.phase_a else (SYNC if kind.sync else LOCAL)
+
+    def expected(state: LocalStepSyncState) -> jax.Array:
+        k = state.count + 1
+        sync = local_step_policy.is_sync_step(state.local_step_policy, k)
+        return _graph.index_of([k <= start_step, jnp.logical_not(sync), True])  # PASS, LOCAL, SYNC
 
     def update_fn(updates: Any, state: LocalStepSyncState, params: Any, **extra_args: Any) -> Any:
         params = _checked_params(updates, state, params)
         _checks.axis_size(axes)
         if num_workers is not None:
             _checks.resolve_num_workers(axes, num_workers)
+        kind = kinds.check_step_kind(extra_args.get("step_kind"), "local_step_sync")
+        now = expected(state)
+        run = lambda branch, operand: step(branch, *operand, params, extra_args)  # noqa: E731
+        if kind is None:
+            branches = [functools.partial(run, b) for b in (PASS, LOCAL, SYNC)]
+            return _graph.switch(now, branches, (updates, state), axes)
+        branch = branch_of(kind)
+        new_updates, new_state = run(branch, (updates, state))
+        ok = now == branch  # a wrong hint is not applied: zero update, state kept
+        return _graph.zero_unless(ok, new_updates), _graph.refuse_unless(ok, now, new_state, state)
+
+    def step(branch: int, updates: Any, state: LocalStepSyncState, params: Any, extra: dict) -> Any:
         k = state.count + 1
-        phase_b = k > start_step
-        sync = _graph.both(phase_b, local_step_policy.is_sync_step(state.local_step_policy, k))
-        x, anchor, anchored = _anchor_at_first_local_step(params, state, phase_b)
+        skipped = state._replace(skipped_updates=state.skipped_updates + 1)
+        if branch == PASS:  # the inner transform communicates: check what it returned
+            out, inner_state = inner.update(updates, state.inner_state, params, **extra)
+            out = jax.tree.map(lambda d, a: d.astype(a.dtype), out, state.anchor)
+            new_state = state._replace(count=optax.safe_increment(state.count))
+            new_state = new_state._replace(inner_state=inner_state)
+            return _graph.keep_if_finite(_graph.all_finite(out), out, new_state, skipped)
 
         # After start_step this worker's gradient is its own: dropped if it is not finite.
-        drop = _graph.both(phase_b, jnp.logical_not(_graph.all_finite(updates)))
-        grads = _graph.zero_if(drop, updates, like=updates)
-        step, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-        step = jax.tree.map(lambda d, a: d.astype(a.dtype), step, anchor)
+        drop = jnp.logical_not(_graph.all_finite(updates))
+        grads = _graph.zero_unless(jnp.logical_not(drop), updates)
+        if extra.get("step_kind") is None and rule.inner_frozen_after_start:
+            extra = {**extra, "step_kind": kinds.SYNC if branch == SYNC else kinds.LOCAL}
+        out, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        out = jax.tree.map(lambda d, a: d.astype(a.dtype), out, state.anchor)
         lr_sum = state.lr_sum + rule.learning_rate_at(state.count)
-
-        def synchronise(carry: Any) -> Any:
-            step, anchor, inner_state, own, x, _ = carry
+        anchor, own = state.anchor, state.errors
+        first = jnp.logical_not(state.anchored)  # the first step after start_step
+        finite = jnp.ones([], bool)
+        if branch == SYNC or not first_is_sync:
+            # The synchronised point is where every worker is at the first local step; the
+            # borrowed error buffers start from zero there. (With a policy whose first step
+            # after start_step is always a sync, as LocalStepDoubling's, a local step never
+            # needs this and reads neither buffer.)
+            x = jax.tree.map(lambda p, a: p.astype(a.dtype), params, anchor)
+            anchor = jax.tree.map(lambda a, p: jnp.where(first, p, a), anchor, x)
+            inner_state, own = _fresh_errors(rule, inner_state, start_step, own, first)
+        if branch == SYNC:
             errors = _lent(rule, inner_state, start_step, own)
-            mean, errors, ok = _compressed(_payload(rule, inner_state, anchor, x, step), errors)
-            anchor = _averaged_step(rule, inner_state, anchor, mean, ok)
-            inner_state = rule.after_sync(inner_state, mean, lr_sum, ok)
+            payload = _payload(rule, inner_state, anchor, x, out)
+            mean, errors, finite = _compressed(payload, errors)
+            anchor = _averaged_step(rule, inner_state, anchor, mean, finite)
+            inner_state = rule.after_sync(inner_state, mean, lr_sum, finite)
             inner_state, own = _give_back(rule, inner_state, start_step, own, errors)
-            step = jax.tree.map(lambda a, x: jnp.where(ok, a - x, jnp.nan), anchor, x)
-            return step, anchor, inner_state, own, x, ok
-
-        carry = (step, anchor, inner_state, state.errors, x, True)
-        step, anchor, inner_state, errors, _, finite = _graph.run_if(
-            sync, synchronise, carry, like=(step, x)
-        )
-        # Up to start_step the inner transform communicates: check what it returned.
-        step, finite = _graph.check_finite_if(_graph.negate(phase_b), step, finite)
+            out = jax.tree.map(lambda a, x: jnp.where(finite, a - x, jnp.nan), anchor, x)
+            lr_sum = jnp.zeros_like(lr_sum)
         new_state = LocalStepSyncState(
             count=optax.safe_increment(state.count),
-            local_step_policy=policies.advance(
-                local_step_policy, state.local_step_policy, k, phase_b
-            ),
+            local_step_policy=policies.advance(local_step_policy, state.local_step_policy, k, True),
             anchor=anchor,
-            anchored=jnp.asarray(anchored, bool),
-            lr_sum=jnp.where(phase_b, jnp.where(sync, 0.0, lr_sum), state.lr_sum),
-            errors=errors,
+            anchored=jnp.ones([], bool),
+            lr_sum=lr_sum,
+            errors=own,
             skipped_updates=state.skipped_updates,
-            dropped_local_grads=state.dropped_local_grads + jnp.asarray(drop, jnp.int32),
+            dropped_local_grads=state.dropped_local_grads + drop.astype(jnp.int32),
             inner_state=inner_state,
+            refused_hint=state.refused_hint,
         )
-        skipped = state._replace(skipped_updates=state.skipped_updates + 1)
-        return _graph.keep_if_finite(finite, step, new_state, skipped)
+        return _graph.keep_if_finite(finite, out, new_state, skipped)
 
     def _compressed(payload: Any, errors: Any) -> tuple[Any, Any, jax.Array]:
         values, in_form = flat.as_flat(payload, _checks.axis_size(axes))
@@ -345,6 +362,15 @@ def local_step_sync(
         return in_form(mean), errors, ok
 
     return _checks.transformation(init_fn, update_fn, LocalStepSyncState, "local_step_sync")
+
+
+def _static_truth(value: Any) -> bool:
+    """``bool(value)`` where it is known at trace time; ``False`` for a traced value (policies
+    built from traced arguments, e.g. under ``optax.inject_hyperparams`` or in tests)."""
+    try:
+        return bool(value)
+    except jax.errors.TracerBoolConversionError:
+        return False
 
 
 def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any:
@@ -358,18 +384,6 @@ def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any
         return jax.tree.map(jnp.zeros_like, updates)  # nothing to optimise
     _checks.check_tree_matches(params, state.anchor, "params", "the optimizer state")
     return params
-
-
-def _anchor_at_first_local_step(params: Any, state: LocalStepSyncState, phase_b: Any) -> tuple:
-    """``(x, anchor, anchored)``: the params in the anchor's dtype; at the first step after
-    ``start_step`` the synchronised point is where every worker is now."""
-    x = jax.tree.map(lambda p, a: p.astype(a.dtype), params, state.anchor)
-
-    def take(carry: Any) -> Any:
-        return carry[0], carry[0], jnp.ones([], bool)
-
-    first = _graph.both(phase_b, _graph.negate(state.anchored))
-    return _graph.run_if(first, take, (x, state.anchor, state.anchored), like=x)
 
 
 def _payload(rule: Any, inner_state: Any, anchor: Any, x: Any, step: Any) -> Any:
@@ -390,6 +404,16 @@ def _lent(rule: Any, inner_state: Any, start_step: Any, own: Any) -> Any:
     """The error buffers for a sync: the inner state's, if the rule lends them, else our own."""
     lent = rule.errors(inner_state, start_step)
     return own if lent is None else lent
+
+
+def _fresh_errors(rule: Any, inner_state: Any, start_step: Any, own: Any, first: Any) -> tuple:
+    """``(inner_state, own)`` with the error buffers a sync uses zeroed where ``first``: borrowed
+    buffers held another mean's residuals until start_step."""
+    lent = rule.errors(inner_state, start_step)
+    if lent is None:
+        return inner_state, own
+    zeroed = jax.tree.map(lambda e: jnp.where(first, jnp.zeros([], e.dtype), e), lent)
+    return rule.with_errors(inner_state, zeroed), own
 
 
 def _give_back(rule: Any, inner_state: Any, start_step: Any, own: Any, errors: Any) -> tuple:

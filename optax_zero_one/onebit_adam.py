@@ -21,7 +21,7 @@ from optax_zero_one import _checks, policies
 from optax_zero_one import collective as collective_lib  # `collective` names the backend
 from optax_zero_one.frozen_variance import scale_by_frozen_variance_adam
 from optax_zero_one.scheduled_mean import scheduled_mean
-from optax_zero_one.wrappers import flatten, skip_not_finite
+from optax_zero_one.wrappers import decayed_weights, flatten, skip_not_finite
 
 
 def scale_by_onebit_adam(
@@ -82,7 +82,7 @@ def scale_by_onebit_adam(
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
     if learning_rate is not None:
         _checks.check_learning_rate(learning_rate)
-    _checks.worker_axes(axis_name, fast_axis_name)
+    worker_axes = _checks.worker_axes(axis_name, fast_axis_name)
     collective_lib.check_collective(collective)
     collective_lib.check_hierarchy(fast_axis_name, collective)
     warmup = policies.FullPrecisionWarmup(freeze_step)
@@ -90,26 +90,15 @@ def scale_by_onebit_adam(
     momentum = collective_lib.onebit_mean(axis_name, collective=collective, mask=mask, **axes)
     steps = [
         scheduled_mean(axis_name, warmup, compressed_steps=False, **axes),
-        scale_by_frozen_variance_adam(b1, b2, eps, warmup, momentum_mean=momentum),
+        scale_by_frozen_variance_adam(
+            b1, b2, eps, warmup, momentum_mean=momentum, axis_name=worker_axes
+        ),
     ]
-    if not (_checks.is_static_number(weight_decay) and weight_decay == 0):
-        steps.append(_decayed_weights(weight_decay))
+    steps.append(decayed_weights(weight_decay, "onebit_adam"))
     if learning_rate is not None:
         steps.append(optax.scale_by_learning_rate(learning_rate))
     guarded = skip_not_finite(optax.chain(*steps))
     return flatten(guarded, axis_name=axis_name, **axes)
-
-
-def _decayed_weights(weight_decay: float) -> optax.GradientTransformation:
-    """``optax.add_decayed_weights`` with a clear error when no params are given."""
-    inner = optax.add_decayed_weights(weight_decay)
-
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
-        if params is None:
-            raise ValueError("onebit_adam with weight_decay needs params: update(g, s, params).")
-        return inner.update(updates, state, params)
-
-    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def onebit_adam(

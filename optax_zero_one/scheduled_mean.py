@@ -9,15 +9,17 @@ does the communicating.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, _graph, flat, policies
+from optax_zero_one import _checks, _graph, flat, kinds, policies
 from optax_zero_one import collective as collective_lib  # `collective` names the backend
 from optax_zero_one.flat import FlatTree
+from optax_zero_one.kinds import StepKind
 
 
 class ScheduledMeanState(NamedTuple):
@@ -27,13 +29,25 @@ class ScheduledMeanState(NamedTuple):
       count: int32, the number of updates done.
       variance_policy: the policy's counters (int32).
       errors: the compressed mean's error buffers (:class:`~optax_zero_one.OnebitMeanState`),
-        or ``optax.EmptyState()`` without compressed steps. Zeroed at the end of the freeze
-        step; idle after it (:class:`~optax_zero_one.FrozenAdamSync` reuses them for syncs).
+        or ``optax.EmptyState()`` without compressed steps. Idle after the freeze step
+        (0/1 Adam's sync rule borrows them, from zero, for its syncs).
+      refused_hint: int32 ``(2,)``: how many hinted steps were refused (their ``step_kind``
+        did not match the counters), and 1 + the branch the counters asked for at the last
+        one (see ``BRANCHES``). Not a scalar, so a skipped step does not roll it back.
     """
 
     count: jax.Array
     variance_policy: Any
     errors: Any
+    refused_hint: jax.Array
+
+    STEP_COUNTER = "count"
+    REFUSED_HINT = "refused_hint"
+    BRANCHES = ("a float mean (variance step)", "a 1-bit mean (compressed step)", "no mean")
+
+
+# What this transform does at a step: a float mean, a compressed mean, or nothing.
+FLOAT, COMPRESS, IDLE = range(3)
 
 
 def scheduled_mean(
@@ -54,9 +68,14 @@ def scheduled_mean(
         k <= F, any other step:       g <- mask * C(g_i)             (1-bit compressed mean)
         k >  F:                       g <- g_i                       (no communication)
 
-    ``C`` is :func:`~optax_zero_one.onebit_mean`'s compressed mean; its error buffers are zeroed
-    at the end of step ``F`` (they held gradient errors). Every worker takes the same branch (the
-    counters are identical), and a kind that does not run costs nothing.
+    ``C`` is :func:`~optax_zero_one.onebit_mean`'s compressed mean; its error buffers are idle
+    after step ``F``. Every worker takes the same branch (the counters are identical).
+
+    Step kinds: with ``step_kind=`` (a static :class:`~optax_zero_one.StepKind`) ``update``
+    traces that kind's branch alone (``phase_a`` and ``variance`` say which) and checks it
+    against the counters: a step whose hint is wrong is not applied (a NaN update, so that the
+    guard around it skips the step, and the state kept; ``refused_hint`` counts it).
+    Without it the branch is chosen in the graph.
 
     Args:
       axis_name: the worker axis, or ``None`` for one worker (then every branch is the identity).
@@ -87,7 +106,7 @@ def scheduled_mean(
 
     def init_fn(params: optax.Params) -> ScheduledMeanState:
         _checks.check_float_leaves(params, "params")
-        _checks.resolve_num_workers(axes, num_workers)
+        _checks.workers_for(params, axes, num_workers)
         _checks.check_mask(mask, params.shapes() if isinstance(params, FlatTree) else params)
         errors = (
             collective_lib.init_state(params, axes, num_workers, collective)
@@ -95,42 +114,63 @@ def scheduled_mean(
             else optax.EmptyState()
         )
         state = ScheduledMeanState(
-            jnp.zeros([], jnp.int32), _checks.as_int32_state(variance_policy.init()), errors
+            jnp.zeros([], jnp.int32),
+            _checks.as_int32_state(variance_policy.init()),
+            errors,
+            _graph.no_refusals(),
         )
         return _graph.worker_state(state, axes)
 
-    def update_fn(updates: Any, state: ScheduledMeanState, params: Any, **extra_args: Any) -> Any:
-        del params, extra_args
-        _checks.axis_size(axes)
+    def branch_of(kind: StepKind) -> int:
+        if not kind.phase_a:
+            return IDLE
+        if kind.variance:
+            return FLOAT
+        return COMPRESS if compressed_steps else IDLE
+
+    def expected(state: ScheduledMeanState) -> jax.Array:
         k = state.count + 1
         phase_a = k <= freeze
-        variance = _graph.both(phase_a, variance_policy.is_update_step(state.variance_policy, k))
-        compressed = _graph.both(phase_a, _graph.negate(variance))
+        variance = jnp.logical_and(
+            phase_a, variance_policy.is_update_step(state.variance_policy, k)
+        )
+        idle = jnp.logical_not(phase_a) if compressed_steps else jnp.logical_not(variance)
+        return _graph.index_of([variance, jnp.logical_not(idle), True])
 
-        def float_step(g: Any) -> Any:
-            mean = collective_lib.float_mean(g, axes)
-            return jax.tree.map(lambda m, x: m.astype(x.dtype), mean, g)
+    def update_fn(updates: Any, state: ScheduledMeanState, params: Any, **extra_args: Any) -> Any:
+        del params
+        _checks.axis_size(axes)
+        kind = kinds.check_step_kind(extra_args.get("step_kind"), "scheduled_mean")
+        now = expected(state)
+        if kind is None:
+            branches = [functools.partial(step, b) for b in (FLOAT, COMPRESS, IDLE)]
+            return _graph.switch(now, branches, (updates, state), axes)
+        branch = branch_of(kind)
+        new_updates, new_state = step(branch, (updates, state))
+        ok = now == branch  # a wrong hint is not applied: NaN for the guard, state kept
+        nan = jax.tree.map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), new_updates)
+        return nan, _graph.refuse_unless(ok, now, new_state, state)
 
-        updates = _graph.run_if(variance, float_step, updates, like=updates)
+    def step(branch: int, operand: tuple) -> tuple:
+        updates, state = operand
+        k = state.count + 1
         errors = state.errors
-        if compressed_steps:
-            updates, errors = _compressed(updates, errors, compressed)
-            errors = _graph.zero_if(_graph.both(phase_a, k == freeze), errors, like=updates)
+        if branch == FLOAT:
+            mean = collective_lib.float_mean(updates, axes)
+            updates = jax.tree.map(lambda m, x: m.astype(x.dtype), mean, updates)
+        elif branch == COMPRESS and compressed_steps:
+            values, in_form = flat.as_flat(updates, _checks.axis_size(axes))
+            mean, errors, _ = collective_lib.masked_compressed_mean(
+                values, errors, axes, collective, mask
+            )
+            updates = in_form(mean)
+        phase_a = k <= freeze
         new_state = ScheduledMeanState(
             optax.safe_increment(state.count),
             policies.advance(variance_policy, state.variance_policy, k, phase_a),
             errors,
+            state.refused_hint,
         )
         return updates, new_state
-
-    def _compressed(updates: Any, errors: Any, active: Any) -> tuple[Any, Any]:
-        values, in_form = flat.as_flat(updates, _checks.axis_size(axes))
-
-        def step(carry: Any) -> Any:
-            mean, e, _ = collective_lib.masked_compressed_mean(*carry, axes, collective, mask)
-            return mean, e
-
-        values, errors = _graph.run_if(active, step, (values, errors), like=values)
-        return in_form(values), errors
 
     return _checks.transformation(init_fn, update_fn, ScheduledMeanState, "scheduled_mean")

@@ -11,7 +11,7 @@ optimizer state per worker (during 0/1 Adam's local steps the copies differ). Th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,17 @@ from optax_zero_one import _graph
 from optax_zero_one.distributed import _addressable_rows
 from optax_zero_one.flat import FlatTree
 from optax_zero_one.local_steps import LocalStepSyncState
+
+
+class ShardLocalState(NamedTuple):
+    """State of :meth:`DataParallel.optimizer`: the inner optimizer's state of every model shard.
+
+    Attributes:
+      inner: the inner state, each array with a leading axis of one entry per shard of the
+        other mesh axes (sharded over them): every device keeps the state of its own shard.
+    """
+
+    inner: Any
 
 
 def replicate(tree: Any, num_workers: int, sharding: jax.sharding.Sharding | None = None) -> Any:
@@ -96,8 +107,6 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
     Returns:
       A tree like ``params`` (their dtypes).
     """
-    from optax_zero_one.data_parallel import ShardLocalState  # noqa: PLC0415 (a cycle)
-
     if _graph.nodes_of(opt_state, ShardLocalState):
         raise ValueError(
             "opt_state comes from DataParallel.optimizer (one state per model shard): use "

@@ -16,15 +16,25 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, _graph, kinds
-from optax_zero_one.flat import Layout, compute_dtype, find_layout, from_flat, leaf_offsets, to_flat
+from optax_zero_one import _checks, _graph
+from optax_zero_one.flat import (
+    FlatTree,
+    Layout,
+    compute_dtype,
+    find_layout,
+    from_flat,
+    leaf_offsets,
+    to_flat,
+)
 
 
 class FlattenState(NamedTuple):
     """State of :func:`flatten`.
 
     Attributes:
-      offsets: the first column of each leaf in the flat buffers, one int32 scalar per leaf.
+      offsets: the first column of each leaf in the flat buffers, int32 ``(leaves,)`` (one
+        array whatever the leaf count, so that the state's structure does not depend on the
+        params' and ``optax.tree_map_params`` works).
         Static facts kept as data on purpose: the program cuts the updates out of the flat
         buffer at offsets it reads at run time, so XLA compiles one kernel per leaf *shape*
         rather than one per leaf (with constant offsets every cut is a distinct kernel, which
@@ -32,8 +42,14 @@ class FlattenState(NamedTuple):
       inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
     """
 
-    offsets: tuple
+    offsets: jax.Array
     inner_state: optax.OptState
+
+    def moved(self, every: Any, fresh: FlattenState, move: Any) -> FlattenState:
+        """To another worker count: the fresh layout's offsets, the inner state moved."""
+        return FlattenState(
+            fresh.offsets, move(self.inner_state, every.inner_state, fresh.inner_state)
+        )
 
 
 def flatten(
@@ -72,11 +88,16 @@ def flatten(
     """
     axes = _checks.worker_axes(axis_name, fast_axis_name)
 
+    inner = optax.with_extra_args_support(inner)
+
     def init_fn(params: optax.Params) -> FlattenState:
         _checks.check_float_leaves(params, "params")
-        workers = _checks.resolve_num_workers(axes, num_workers)
+        workers = _checks.workers_for(params, axes, num_workers)
         layout = Layout.of(params, workers)
-        state = FlattenState(leaf_offsets(layout), inner.init(to_flat(params, layout)))
+        inner_state = inner.init(to_flat(params, layout))
+        if _checks.is_placeholder(params):
+            inner_state = _flat_buffers_as_leaves(inner_state)
+        state = FlattenState(leaf_offsets(layout), inner_state)
         return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: FlattenState, params: Any, **extra_args: Any) -> Any:
@@ -96,9 +117,8 @@ def flatten(
             _checks.check_tree_matches(params, updates, "params", "updates")
         dtype = compute_dtype(updates if params is None else params)
         flat_params = None if params is None else to_flat(params, layout, dtype)
-        inner_state = kinds.share_counters(state.inner_state, axes)
         flat_updates, inner_state = inner.update(
-            to_flat(updates, layout, dtype), inner_state, flat_params, **extra_args
+            to_flat(updates, layout, dtype), state.inner_state, flat_params, **extra_args
         )
         # the updates' structure, the params' dtypes
         dtypes = jax.tree.unflatten(
@@ -109,6 +129,21 @@ def flatten(
         return out, FlattenState(state.offsets, inner_state)
 
     return _checks.transformation(init_fn, update_fn, FlattenState, "this optimizer")
+
+
+def _flat_buffers_as_leaves(state: Any) -> Any:
+    """``state`` with every :class:`FlatTree` replaced by a plain leaf.
+
+    What ``init`` returns for a tree without parameters, as ``optax.tree_map_params`` calls it
+    (with a placeholder for the params): the flat buffers then stand in the state's structure as
+    leaves, which are not the placeholder, so that ``tree_map_params`` hands each real buffer
+    to ``transform_non_params``. A flat buffer holds every leaf of the params at once (in the
+    worker-major layout); it is not one of them (``docs/jit.md``, "Sharding the state")."""
+    return jax.tree.map(
+        lambda x: jnp.zeros([], jnp.int32) if isinstance(x, FlatTree) else x,
+        state,
+        is_leaf=lambda x: isinstance(x, FlatTree),
+    )
 
 
 class SkipNotFiniteState(NamedTuple):
@@ -148,6 +183,8 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
       >>> tx = skip_not_finite(optax.chain(scheduled_mean("w", policy), optax.sgd(0.1)))
     """
 
+    inner = optax.with_extra_args_support(inner)
+
     def init_fn(params: optax.Params) -> SkipNotFiniteState:
         return SkipNotFiniteState(jnp.zeros([], jnp.int32), inner.init(params))
 
@@ -159,3 +196,25 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
         return _graph.keep_if_finite(finite, step, kept, skipped)
 
     return _checks.transformation(init_fn, update_fn, SkipNotFiniteState, "skip_not_finite")
+
+
+def decayed_weights(weight_decay: Any, optimizer: str) -> optax.GradientTransformationExtraArgs:
+    """``optax.add_decayed_weights(weight_decay)``, an identity for a static ``0.0``.
+
+    Its state is ``optax.EmptyState()`` either way, so that an optimizer's state has the same
+    structure with a float ``weight_decay`` and under ``optax.inject_hyperparams`` (where it is
+    an array); a non-zero decay without params gets an error naming ``optimizer``.
+    """
+    _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
+    if _checks.is_static_number(weight_decay) and weight_decay == 0:
+        return optax.with_extra_args_support(optax.identity())
+    inner = optax.add_decayed_weights(weight_decay)
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        if params is None:
+            raise ValueError(
+                f"{optimizer} with weight_decay needs params: update(grads, state, params)."
+            )
+        return inner.update(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -17,16 +17,77 @@ gradients), local (nothing), sync (1-bit mean of the interval's weighted updates
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
+import jax
+import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, policies
+from optax_zero_one import _checks, _graph, local_steps, policies
 from optax_zero_one import collective as collective_lib  # `collective` names the backend
-from optax_zero_one.frozen_variance import scale_by_frozen_variance_adam
-from optax_zero_one.local_steps import FrozenAdamSync, local_step_sync
-from optax_zero_one.scheduled_mean import scheduled_mean
-from optax_zero_one.wrappers import flatten
+from optax_zero_one.frozen_variance import FrozenVarianceAdamState, scale_by_frozen_variance_adam
+from optax_zero_one.local_steps import local_step_sync
+from optax_zero_one.scheduled_mean import ScheduledMeanState, scheduled_mean
+from optax_zero_one.wrappers import decayed_weights, flatten
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenAdamSync(local_steps.ParamsAverage):
+    r"""0/1 Adam's sync rule, for an inner chain holding one
+    :class:`~optax_zero_one.FrozenVarianceAdamState` (and a
+    :class:`~optax_zero_one.ScheduledMeanState`)::
+
+        payload w = u (sqrt(v) + eps)       (linear in the interval's momenta: v is frozen)
+        after it: m <- what / sum(lr)       (the learning-rate-weighted mean momentum)
+
+    It lends the wrapper the error buffers of the inner :func:`~optax_zero_one.scheduled_mean`,
+    which are idle (and zero) after the variance freeze, so 0/1 Adam keeps one set of error
+    buffers; the wrapper's ``start_step`` must not come before the freeze (checked).
+
+    Args:
+      learning_rate: the inner chain's learning rate (float or schedule of the count).
+      eps: Adam's ``eps`` (as in the inner transform).
+      variance_policy: the inner transform's variance policy (for its freeze step).
+    """
+
+    learning_rate: optax.ScalarOrSchedule = 0.0
+    eps: float = 1e-8
+    variance_policy: Any = None
+    inner_frozen_after_start: ClassVar[bool] = True  # start_step >= freeze (checked in errors)
+
+    def learning_rate_at(self, count: jax.Array) -> Any:
+        return _checks.evaluate(self.learning_rate, count)
+
+    def weight(self, inner_state: Any) -> Any:
+        nu = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").nu
+        return jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, nu)
+
+    def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
+        old = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").mu
+        momentum = _graph.keep_if(ok, local_steps.divide_by_sum(mean, lr_sum), old)
+        return local_steps.replace_nodes(
+            inner_state, FrozenVarianceAdamState, lambda s: s._replace(mu=momentum)
+        )
+
+    def errors(self, inner_state: Any, start_step: int) -> Any:
+        found = _graph.only_node(inner_state, ScheduledMeanState, "FrozenAdamSync")
+        if not isinstance(found.errors, collective_lib.OnebitMeanState):
+            return None
+        freeze = getattr(self.variance_policy, "freeze_step", None)
+        static = _checks.is_static_number(start_step) and _checks.is_static_number(freeze)
+        if freeze is None or (static and start_step < freeze):
+            raise ValueError(
+                f"FrozenAdamSync borrows the scheduled mean's error buffers, which are idle only "
+                f"after the variance freeze (step {freeze}); local_step_sync's start_step "
+                f"({start_step}) must be at least that."
+            )
+        return found.errors
+
+    def with_errors(self, inner_state: Any, errors: Any) -> Any:
+        return local_steps.replace_nodes(
+            inner_state, ScheduledMeanState, lambda s: s._replace(errors=errors)
+        )
 
 
 def scale_by_zero_one_adam(
@@ -91,7 +152,7 @@ def scale_by_zero_one_adam(
     """
     _checks.check_learning_rate(learning_rate)
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
-    _checks.worker_axes(axis_name, fast_axis_name)
+    worker_axes = _checks.worker_axes(axis_name, fast_axis_name)
     collective_lib.check_collective(collective)
     collective_lib.check_hierarchy(fast_axis_name, collective)
     variance_policy = variance_policy or policies.VarianceDoubling()
@@ -101,10 +162,9 @@ def scale_by_zero_one_adam(
     )
     steps = [
         scheduled_mean(axis_name, variance_policy, **shared),
-        scale_by_frozen_variance_adam(b1, b2, eps, variance_policy),
+        scale_by_frozen_variance_adam(b1, b2, eps, variance_policy, axis_name=worker_axes),
     ]
-    if not (_checks.is_static_number(weight_decay) and weight_decay == 0):
-        steps.append(optax.add_decayed_weights(weight_decay))
+    steps.append(decayed_weights(weight_decay, "zero_one_adam"))
     steps.append(optax.scale_by_learning_rate(learning_rate))
     synced = local_step_sync(
         optax.chain(*steps),

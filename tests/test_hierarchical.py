@@ -209,13 +209,16 @@ def test_onebit_adam_two_by_four_matches_flat_before_the_freeze():
 
 
 def kind_program(tx, mesh, step, params):
-    """The update of the kind of ``step``, compiled alone (counters pinned inside the body)."""
+    """The update of the kind of ``step``, compiled alone (the kind passed as a static hint),
+    and the state it takes (its shapes, in the worker layout)."""
 
-    def body(p, g):
-        state = ozo.pin_step(tx.init(p), step, VP, LP)
-        return tx.update(g, state, p)[0]
+    kind = ozo.StepSchedule(VP, LP).kind(step)
 
-    return ozo.on_workers(body, mesh, AXES), params
+    def body(p, g, s):
+        return tx.update(g, s, p, step_kind=kind)[0]
+
+    state = jax.eval_shape(ozo.on_workers(tx.init, mesh, AXES), params)
+    return ozo.on_workers(body, mesh, AXES), state
 
 
 def test_compiled_program_groups_and_bytes_over_the_slow_axis():
@@ -231,10 +234,12 @@ def test_compiled_program_groups_and_bytes_over_the_slow_axis():
     tx = make_tx(axis_name="node", fast_axis_name="local")
     kinds = ozo.step_kinds(VP, LP, STEPS)
     layout = Layout.of(big, 8)
+    wl = NamedSharding(mesh, P(AXES))  # the worker layout
     for kind in (0, 1, 3):  # variance, compressed, sync
         step = int(np.flatnonzero(kinds == kind)[0]) + 1
-        fn, _ = kind_program(tx, mesh, step, big)
-        stats = ozo.comm_stats(fn, args, args)
+        fn, state = kind_program(tx, mesh, step, args)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=wl), state)
+        stats = ozo.comm_stats(fn, args, args, state)
         per_axis = {}
         for c in stats.collectives:
             if c.payload_bytes <= 64:  # counters and flags

@@ -1,11 +1,8 @@
 """What each step kind sends, read from the compiled program on 8 simulated devices.
 
-To compile one step kind on its own, the state's counters are replaced by Python ints pinned to a
-step of that kind: the step kind is then known at trace time and only its branch is traced, so
-the program holds exactly what that kind executes. (XLA keeps a loop or ``conditional`` with
-collectives even when its trip count or index is a constant, so pinning to int32 constants would
-not do.) With live counters the program holds every kind, each communicating kind in its own loop
-of zero or one trip, and a kind that is not taken runs no instruction.
+A step's kind is passed to ``update`` as a static hint (``step_kind=``), so the program traces
+that kind alone and holds exactly what it executes, with no loop and no conditional. Without the
+hint the program holds every kind behind conditionals decided from the counters.
 """
 
 import jax
@@ -25,18 +22,17 @@ VARIANCE = ozo.VarianceDoubling(freeze_step=10, update_scaler=2)  # variance: 1,
 LOCAL = ozo.LocalStepDoubling(scaler=1, clipper=4)  # syncs 11, 12, 16, 20, ...
 
 
-def pin(state, k):
-    """The state with its counters replaced by Python ints: the update traces one kind only."""
-    if any(isinstance(s, ozo.LocalStepSyncState) for s in _nodes(state)):
-        return ozo.pin_step(state, k, VARIANCE, LOCAL)
-    return ozo.pin_step(state, k, ozo.FullPrecisionWarmup(ONEBIT_FREEZE))
+ZERO_ONE_SCHEDULE = ozo.StepSchedule(VARIANCE, LOCAL)
 
 
-def _nodes(state):
-    return jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, ozo.LocalStepSyncState))
+def kind_at(tx, k):
+    """The static kind of step ``k`` for ``tx`` (0/1 Adam or 1-bit Adam)."""
+    if tx is ZERO_ONE:
+        return ZERO_ONE_SCHEDULE.kind(k)
+    return ozo.onebit_schedule(ONEBIT_FREEZE).kind(k)
 
 
-def stats_at(tx, k, inner):
+def stats_at(tx, kind):
     mesh = jax.make_mesh((N,), (AXIS,))
     sharded = NamedSharding(mesh, P(AXIS))
     params = [jax.ShapeDtypeStruct((N, *s), jnp.float32, sharding=sharded) for s in SHAPES]
@@ -45,20 +41,11 @@ def stats_at(tx, k, inner):
 
     def body(p, g, s):
         p, g, s = jax.tree.map(lambda x: x[0], (p, g, s))
-        s = inner(s, lambda t: pin(t, k))
-        out = tx.update(g, s, p)
+        out = tx.update(g, s, p, step_kind=kind)
         return jax.tree.map(lambda x: x[None], out)
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
     return ozo.comm_stats(fn, params, params, state)
-
-
-def zero_one_state(s, f):
-    return f(s)
-
-
-def onebit_state(s, f):
-    return f(s)
 
 
 ZERO_ONE = ozo.zero_one_adam(
@@ -73,21 +60,16 @@ ONEBIT_FREEZE = 10
 ONEBIT = ozo.onebit_adam(1e-3, freeze_step=ONEBIT_FREEZE, axis_name=AXIS)
 
 
-def test_the_pinned_steps_have_the_intended_kinds():
-    kinds = {}
-    for k in (1, 3, 11, 13):
-        state = jax.vmap(ZERO_ONE.init, axis_name=AXIS)([jnp.zeros((N, *s)) for s in SHAPES])
-        state = jax.tree.map(lambda x: x[0], state)
-        pinned = pin(state, k)
-        live = jax.tree.map(jnp.asarray, pinned)
-        kind = ozo.step_kind(pinned, VARIANCE, LOCAL)
-        assert isinstance(kind, int) and kind == int(ozo.step_kind(live, VARIANCE, LOCAL))
-        kinds[k] = ozo.STEP_KINDS[kind]
-    assert kinds == {1: "variance", 3: "compressed", 11: "sync", 13: "local"}
+def test_the_schedule_gives_the_intended_kinds():
+    names = {k: ZERO_ONE_SCHEDULE.kind(k).name for k in (1, 3, 11, 13)}
+    assert names == {1: "variance", 3: "compressed", 11: "sync", 13: "local"}
     assert [ozo.STEP_KINDS[i] for i in ozo.step_kinds(VARIANCE, LOCAL, 13)] == [
         "variance", "variance", "compressed", "variance", "compressed", "variance",
         "compressed", "variance", "compressed", "compressed", "sync", "sync", "local",
     ]  # fmt: skip
+    assert ZERO_ONE_SCHEDULE.indices(13).tolist() == ozo.step_kinds(VARIANCE, LOCAL, 13).tolist()
+    onebit = ozo.onebit_schedule(ONEBIT_FREEZE)
+    assert onebit.indices(12).tolist() == ozo.onebit_step_kinds(ONEBIT_FREEZE, 12).tolist()
 
 
 def assert_float_allreduce(stats):
@@ -113,7 +95,8 @@ def assert_one_bit(stats):
     "k,kind", [(1, "variance"), (3, "compressed"), (11, "sync"), (13, "local")]
 )
 def test_zero_one_adam_traffic_per_step_kind(k, kind):
-    stats = stats_at(ZERO_ONE, k, zero_one_state)
+    stats = stats_at(ZERO_ONE, kind_at(ZERO_ONE, k))
+    assert kind_at(ZERO_ONE, k).name == kind
     if kind == "variance":
         assert_float_allreduce(stats)
     elif kind == "local":
@@ -125,17 +108,37 @@ def test_zero_one_adam_traffic_per_step_kind(k, kind):
 
 @pytest.mark.parametrize("k,kind", [(1, "warmup"), (11, "compressed")])
 def test_onebit_adam_traffic_per_step_kind(k, kind):
-    stats = stats_at(ONEBIT, k, onebit_state)
+    stats = stats_at(ONEBIT, kind_at(ONEBIT, k))
+    assert kind_at(ONEBIT, k).name == kind
     if kind == "warmup":
         assert_float_allreduce(stats)
     else:
         assert_one_bit(stats)
 
 
-def test_unpinned_program_keeps_collectives_behind_guards():
-    """With live counters all kinds are in the program, each inside its own loop of zero or one
-    trip (a trip count unknown at compile time), none unconditionally."""
-    stats = stats_at(ZERO_ONE, 1, lambda s, f: s)
+def test_unhinted_program_keeps_collectives_behind_conditionals():
+    """Without the hint all kinds are in the program, every collective inside a conditional."""
+    stats = stats_at(ZERO_ONE, None)
     assert stats.count("all-reduce") == 1
     assert stats.count("all-to-all") == 2 and stats.count("all-gather") == 2
-    assert all(c.executions is None and not c.conditional for c in stats.collectives)
+    assert all(c.conditional for c in stats.collectives), stats.table()
+
+
+@pytest.mark.parametrize("tx", [ZERO_ONE, ONEBIT], ids=["zero_one_adam", "onebit_adam"])
+def test_hinted_programs_hold_no_loop_and_no_conditional(tx):
+    kinds = ZERO_ONE_SCHEDULE.kinds if tx is ZERO_ONE else ozo.onebit_schedule(1).kinds
+    for kind in kinds:
+        text = hlo_of(tx, kind)
+        assert " while(" not in text and "conditional(" not in text, kind
+    assert "conditional(" in hlo_of(tx, None)  # the test can tell
+
+
+def hlo_of(tx, kind):
+    params = [jnp.zeros((N, *s)) for s in SHAPES]
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+
+    def step(p, g, s):
+        return tx.update(g, s, p, step_kind=kind)
+
+    program = jax.jit(jax.vmap(step, axis_name=AXIS))
+    return program.lower(params, params, state).compile().as_text()

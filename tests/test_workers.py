@@ -49,9 +49,7 @@ def run(mode):
     history = []
     for k in range(STEPS):
         inner = jax.device_get(state[1])
-        kind = ozo.STEP_KINDS[
-            int(ozo.step_kind(jax.tree.map(lambda a: a[0], inner), VARIANCE, LOCAL))
-        ]
+        kind = ozo.step_kind(inner, ozo.StepSchedule(VARIANCE, LOCAL)).name
         x, state, synced_inside = step_fn(x, state, scale, jnp.asarray(noise[k], jnp.float32))
         jax.block_until_ready(x)
         synced_outside = ozo.synchronized_params(x, state)

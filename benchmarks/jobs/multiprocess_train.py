@@ -11,7 +11,11 @@ trajectories (``tests/test_multiprocess.py``)::
 The worker axis spans every device of every process (one worker per device); params and
 optimizer state use the worker layout (leading axis sharded ``P("w")``); each worker passes its
 local gradient. The schedule (``var_freeze_step=12, var_update_scaler=2, local_step_scaler=4,
-local_step_clipper=4``) gives variance, compressed, local and sync steps within 40 steps.
+local_step_clipper=4``) gives variance, compressed, local and sync steps within 40 steps. Each
+step runs the program compiled for its kind (``optax_zero_one.dispatch_by_kind``, the kind
+chosen on the host from the schedule); the kind saved for each worker is read back from that
+worker's own state (the kind of the step its counter says it took), and the run stops if a
+worker did not take a step.
 
 Two modes, each saved as ``{mode}_p{process}.npz`` (this process's workers only, read with
 ``optax_zero_one.local_rows``; also ``optax_zero_one.unreplicate`` of the final params and
@@ -34,6 +38,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 os.environ.setdefault("PJRT_NPROC", str(2 * int(os.environ["JAX_NUM_CPU_DEVICES"])))
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 
@@ -87,22 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     tx = ozo.zero_one_adam(
         optax.exponential_decay(0.02, 10, 0.8), weight_decay=1e-2, axis_name=AXIS, **SCHEDULE
     )
-    variance = ozo.VarianceDoubling(SCHEDULE["var_freeze_step"], SCHEDULE["var_update_scaler"])
-    local = ozo.LocalStepDoubling(SCHEDULE["local_step_scaler"], SCHEDULE["local_step_clipper"])
+    schedule = ozo.zero_one_schedule(**SCHEDULE)
+    kind_of_step = schedule.indices(opts.steps)  # index into ozo.STEP_KINDS of steps 1..steps
 
     def spmd(fn):
         return jax.jit(ozo.on_workers(fn, mesh))
 
-    def step(params, state, data):
+    def one_step(params, state, data, step_kind=None):
         grads = jax.grad(loss)(params, data)
         # exact mode: a grid coarse enough that any summation order gives the same float sum
         on_grid = jax.tree.map(lambda g: jnp.round(jnp.clip(g, -64, 64) / GRID) * GRID, grads)
         grads = jax.tree.map(lambda a, b: jnp.where(data["exact"], a, b), on_grid, grads)
-        kind = ozo.step_kind(state, variance, local)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, kind
+        updates, state = tx.update(grads, state, params, step_kind=step_kind)
+        return optax.apply_updates(params, updates), state
 
-    init, step = spmd(tx.init), spmd(step)  # one compilation each, for both modes
+    # one compilation each (per step kind for the step), for both modes
+    init = spmd(tx.init)
+    step = ozo.dispatch_by_kind(
+        lambda kind: spmd(functools.partial(one_step, step_kind=kind)), schedule
+    )
     os.makedirs(opts.out, exist_ok=True)
     for mode in opts.modes.split(","):
         if mode not in ("exact", "raw"):
@@ -113,12 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         kinds = []
         for k in range(1, opts.steps + 1):
             data = ozo.to_workers(lambda i, k=k, e=mode == "exact": batch(k, i, e), mesh)
-            params, state, kind = step(params, state, data)
+            params, state = step(params, state, data)
             jax.block_until_ready((params, state))  # pace the simulated devices (deadlock)
             workers, leaves = ozo.local_rows((params, state))
             for j, leaf in enumerate(leaves):
                 saved[f"step{k:03d}_leaf{j:03d}"] = leaf
-            kinds.append(ozo.local_rows(kind)[1][0])
+            # each worker's update count, from its own state: it took step k, of this kind
+            counts = ozo.local_rows(state.inner_state.count)[1][0]
+            if not (counts == k).all():
+                raise RuntimeError(f"step {k}: workers {workers} hold counts {counts}")
+            kinds.append(kind_of_step[counts - 1])
         names = [
             jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path((params, state))
         ]

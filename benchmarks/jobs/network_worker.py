@@ -26,10 +26,12 @@ time) is recorded beside it:
   local_step_clipper=16``: 5 variance, 3 compressed, 11 sync and 45 local steps), timed step by
   step.
 
-Warm-up (compilation, 1-bit Adam's float step, 0/1 Adam's first 16 steps) happens before the
-first rate's windows and is not timed. Every window checks that the step kinds the programs
-took are the ones the policies predict, and prices them with the bytes each kind's compiled
-program sends (``benchmarks.support.common.traffic_per_kind``).
+Every optimizer runs one compiled program per step kind, the host picking each step's
+(``benchmarks.support.common.train_step``). Warm-up (compilation, 1-bit Adam's float step, 0/1
+Adam's first 16 steps) happens before the first rate's windows and is not timed. Every window
+checks that the programs run were those of the kinds the policies predict and that the state
+took every step (its step counter), and prices them with the bytes each kind's compiled program
+sends (``benchmarks.support.common.traffic_per_kind``).
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ def optimizer_specs(schedule: bool) -> dict[str, common.OptimizerSpec]:
 
 @dataclasses.dataclass
 class Run:
-    """One optimizer's compiled step, its params and state, and what each step kind sends."""
+    """One optimizer's training step (one compiled program per step kind), its params and
+    state, and what each step kind sends."""
 
     spec: common.OptimizerSpec
     problem: Problem
@@ -201,15 +204,24 @@ class Run:
         self.done = 0
 
     def advance(self) -> int:
-        """One step, waited for; the kind it took."""
+        """One step, waited for; the kind of the program that ran."""
         self.params, self.state, _, kind = self.step(self.params, self.state, self.problem.batch)
         jax.block_until_ready(self.params)
         self.done += 1
-        return int(ozo.local_rows(kind)[1][0][0])
+        return kind
+
+    def check_steps_taken(self) -> None:
+        """Raises unless the state took every step run (read from its step counter)."""
+        if self.spec.schedule is not None and ozo.step_count(self.state) != self.done:
+            raise RuntimeError(
+                f"{self.spec.name}: the state took {ozo.step_count(self.state)} of "
+                f"{self.done} steps"
+            )
 
 
 def compile_run(name: str, spec: common.OptimizerSpec, problem: Problem) -> Run:
-    """Compiles ``spec``'s training step and reads what each of its step kinds sends.
+    """Compiles ``spec``'s training step, one program for each kind the run takes, and reads
+    what each of its step kinds sends.
 
     Every process does the accounting (compile only): a process that arrives at a collective
     more than 30 s before another gives up (gloo's context initialisation timeout).
@@ -217,12 +229,14 @@ def compile_run(name: str, spec: common.OptimizerSpec, problem: Problem) -> Run:
     t0 = time.perf_counter()
     run = Run(spec, problem)
     run.restart()
-    step = jax.jit(common.make_step(spec, problem.loss, problem.mesh), donate_argnums=(0, 1))
+    run.step = common.train_step(spec, problem.loss, problem.mesh)
     args = (run.params, run.state, problem.batch)
-    run.step = step.lower(*args).compile()
-    run.compile_s = time.perf_counter() - t0
     first = common.first_step_of_each_kind(KINDS_OF[name](512))
-    run.traffic = common.traffic_per_kind(spec, problem.loss, problem.mesh, first, args, run.step)
+    compiled = {k: run.step.program(k).lower(*args).compile() for k in sorted(first)}
+    run.compile_s = time.perf_counter() - t0
+    run.traffic = common.traffic_per_kind(
+        spec, problem.loss, problem.mesh, first, args, compiled.get(0)
+    )
     return run
 
 
@@ -262,6 +276,7 @@ def measure(run: Run, name: str, steps: int, link: Link) -> dict[str, Any]:
     b1, d1 = link.counters()
     if seen != [int(k) for k in kinds]:
         raise RuntimeError(f"{name}: step kinds {seen} differ from the policy's {kinds}")
+    run.check_steps_taken()
     counts = {run.spec.kind_names[k]: int(np.sum(kinds == k)) for k in np.unique(kinds)}
     hlo = run.problem.workers * sum(run.traffic[int(k)].sent_bytes for k in kinds)
     return dict(
@@ -352,6 +367,7 @@ def whole_schedule(rate: str, run: Run, steps: int, link: Link) -> dict[str, Any
         times.append(time.perf_counter() - t0)
     link.barrier()
     link_bytes = link.counters()[0] - b0
+    run.check_steps_taken()
     names = run.spec.kind_names
     by_kind = {
         names[k]: dict(

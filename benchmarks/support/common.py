@@ -14,10 +14,11 @@ The worker layout (a leading worker axis sharded over a 1-D mesh on :data:`AXIS`
 library: ``ozo.worker_mesh``, ``ozo.to_workers``, ``ozo.on_workers``.
 
 Communication is measured, not estimated: for every step kind an optimizer can take, the whole
-training step is compiled with the optimizer's counters pinned (as Python ints) to a step of that
-kind, so only that kind's branch is traced, and :func:`optax_zero_one.parse_hlo` reads the
-collectives out of the optimised HLO. Bytes per worker of a run = sum over steps of the bytes of
-the kind each step took, the kinds being read from the run itself.
+training step is compiled for that kind (``step_kind=``, a static hint), so the program holds that
+kind alone, and :func:`optax_zero_one.parse_hlo` reads the collectives out of the optimised HLO.
+Training runs the same programs: :func:`train_step` compiles one per kind and picks each step's on
+the host (:func:`optax_zero_one.dispatch_by_kind`). Bytes per worker of a run = sum over steps of
+the bytes of the kind each step took.
 """
 
 from __future__ import annotations
@@ -96,19 +97,24 @@ class OptimizerSpec:
       average_grads: ``True`` for plain data-parallel optimizers: gradients are averaged with a
         float32 ``pmean`` before ``tx`` (what users run today). ``False`` for optimizers that do
         their own communication and take local gradients.
-      kind_names: names of the step kinds, indexed by what ``kind`` returns.
-      kind: ``state -> int`` (traced): the kind of the next step, from the state's counters.
-      pin: ``(state, k) -> state`` with the counters replaced by Python ints as they are before
-        step ``k`` (1-based), so the update traces only that step's kind; ``None`` if the
-        optimizer has one step kind.
+      kind_names: names of the step kinds, indexed as :meth:`kind_index` returns.
+      schedule: the optimizer's :class:`optax_zero_one.StepSchedule` (``None`` for an optimizer
+        with one step kind, which gets no hint).
     """
 
     name: str
     tx: optax.GradientTransformation
     average_grads: bool
     kind_names: tuple[str, ...] = ("all-reduce",)
-    kind: Callable[[Any], Any] = lambda state: 0
-    pin: Callable[[Any, int], Any] | None = None
+    schedule: ozo.StepSchedule | None = None
+
+    def kind(self, step: int) -> ozo.StepKind | None:
+        """The static kind of 1-based ``step`` (``None`` without a schedule)."""
+        return None if self.schedule is None else self.schedule.kind(step)
+
+    def kind_index(self, kind: ozo.StepKind | None) -> int:
+        """``kind``'s index into :attr:`kind_names`."""
+        return 0 if kind is None else self.kind_names.index(kind.name)
 
 
 def zero_one_spec(
@@ -117,60 +123,83 @@ def zero_one_spec(
     variance_policy: ozo.VariancePolicy,
     local_step_policy: ozo.LocalStepPolicy,
 ) -> OptimizerSpec:
-    """0/1 Adam's step kinds (:data:`optax_zero_one.STEP_KINDS`) and pinning, for a transform
-    built with the given policies: :func:`optax_zero_one.step_kind` and
-    :func:`optax_zero_one.pin_step`."""
-    return OptimizerSpec(
-        name,
-        tx,
-        False,
-        ozo.STEP_KINDS,
-        lambda state: ozo.step_kind(state, variance_policy, local_step_policy),
-        lambda state, k: ozo.pin_step(state, k, variance_policy, local_step_policy),
-    )
+    """0/1 Adam's step kinds (:data:`optax_zero_one.STEP_KINDS`) for a transform built with
+    the given policies."""
+    schedule = ozo.StepSchedule(variance_policy, local_step_policy)
+    return OptimizerSpec(name, tx, False, ozo.STEP_KINDS, schedule)
 
 
 def onebit_spec(name: str, tx: optax.GradientTransformation, freeze_step: int) -> OptimizerSpec:
     """1-bit Adam's step kinds (:data:`optax_zero_one.ONEBIT_STEP_KINDS`: warm-up, compressed)
-    and pinning, for a transform with warm-up length ``freeze_step``."""
-    warmup = ozo.FullPrecisionWarmup(freeze_step)
-    return OptimizerSpec(
-        name,
-        tx,
-        False,
-        ozo.ONEBIT_STEP_KINDS,
-        lambda state: ozo.step_kind(state, warmup),
-        lambda state, k: ozo.pin_step(state, k, warmup),
-    )
+    for a transform with warm-up length ``freeze_step``."""
+    return OptimizerSpec(name, tx, False, ozo.ONEBIT_STEP_KINDS, ozo.onebit_schedule(freeze_step))
 
 
 def make_step(
     spec: OptimizerSpec,
     loss_fn: Callable[[Any, Any], jax.Array],
     mesh: jax.sharding.Mesh,
-    pinned_step: int | None = None,
+    step_kind: ozo.StepKind | None = None,
 ) -> Callable[..., Any]:
-    """The data-parallel training step, ``(params, state, batch) -> (params, state, loss, kind)``.
+    """The data-parallel training step, ``(params, state, batch) -> (params, state, loss)``,
+    for the step kind ``step_kind`` (the optimizer's hint; ``None``: decided in the graph).
 
     All arguments and results are in the worker layout (leading worker axis over ``mesh``).
-    ``loss`` is each worker's loss on its own batch, ``kind`` the kind of the step just taken.
-    With ``pinned_step=k`` the optimizer's counters are pinned to step ``k`` (for measuring that
-    kind's traffic; not for training). Not jitted: wrap it in ``jax.jit`` (and donate).
+    ``loss`` is each worker's loss on its own batch. Not jitted: wrap it in ``jax.jit`` (and
+    donate), or let :func:`train_step` do it for every kind.
     """
 
     axes = worker_axes(mesh)
 
     def step(params: Any, state: Any, batch: Any) -> Any:
-        if pinned_step is not None and spec.pin is not None:
-            state = spec.pin(state, pinned_step)
-        kind = jnp.asarray(spec.kind(state), jnp.int32)
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         if spec.average_grads:
             grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), axes)
-        updates, state = spec.tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss, kind
+        updates, state = spec.tx.update(grads, state, params, step_kind=step_kind)
+        return optax.apply_updates(params, updates), state, loss
 
     return ozo.on_workers(step, mesh, axes)
+
+
+class TrainStep:
+    """The training step of :func:`make_step`, one jitted program per step kind (donating
+    params and state), the kind of each step chosen on the host.
+
+    Calling it returns ``(params, state, loss, kind)``, ``kind`` the index (into
+    ``spec.kind_names``) of the program that ran. ``programs`` holds the jitted programs by
+    kind name (``"all-reduce"`` for an optimizer without a schedule).
+    """
+
+    def __init__(self, spec: OptimizerSpec, loss_fn: Callable[..., Any], mesh: Any):
+        self.spec = spec
+
+        def compile_kind(kind: ozo.StepKind | None) -> Callable[..., Any]:
+            return jax.jit(make_step(spec, loss_fn, mesh, kind), donate_argnums=(0, 1))
+
+        if spec.schedule is None:
+            self.programs = {spec.kind_names[0]: compile_kind(None)}
+            self.dispatcher = None
+        else:
+            self.dispatcher = ozo.dispatch_by_kind(compile_kind, spec.schedule)
+            self.programs = self.dispatcher.programs
+
+    def __call__(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, Any, int]:
+        if self.dispatcher is None:
+            return (*self.programs[self.spec.kind_names[0]](params, state, batch), 0)
+        kind = self.dispatcher.next_kind(state)
+        params, state, loss = self.dispatcher(params, state, batch)
+        return params, state, loss, self.spec.kind_index(kind)
+
+    def program(self, kind: int = 0) -> Any:
+        """The jitted program of kind index ``kind`` (compiled at its first use)."""
+        if self.dispatcher is None:
+            return self.programs[self.spec.kind_names[0]]
+        return self.dispatcher.program(self.spec.schedule.kinds[kind])
+
+
+def train_step(spec: OptimizerSpec, loss_fn: Callable[..., Any], mesh: Any) -> TrainStep:
+    """A :class:`TrainStep`: what the benchmarks train with."""
+    return TrainStep(spec, loss_fn, mesh)
 
 
 def run_step(step: Callable[..., Any], *args: Any) -> Any:
@@ -197,19 +226,20 @@ def traffic_per_kind(
     args: Sequence[Any],
     compiled: Any = None,
 ) -> dict[int, KindTraffic]:
-    """What each step kind sends: the training step compiled once per kind, with the counters
-    pinned to the first step ``k`` of that kind, read with :func:`optax_zero_one.parse_hlo`.
+    """What each step kind sends: the training step compiled once per kind, for the kind of
+    the first step ``k`` of that kind, read with :func:`optax_zero_one.parse_hlo`.
 
     The accounting programs are compiled with XLA's backend (LLVM) optimisation off: they are
     never run, and the collectives are fixed by the HLO passes, which run as usual (checked: the
-    same collectives and bytes either way). An optimizer with a single step kind needs no pinned
-    program: pass the training step's ``compiled`` executable and its own HLO is read.
+    same collectives and bytes either way). An optimizer with a single step kind needs no
+    program of its own: pass the training step's ``compiled`` executable and its HLO is read.
 
     Args:
       spec, loss_fn, mesh: as for :func:`make_step`.
       first_steps: ``{kind: k}``, a step of each kind to account for.
       args: example ``(params, state, batch)`` in the worker layout (only shapes are used).
-      compiled: optionally, the compiled training step (used when ``spec.pin`` is ``None``).
+      compiled: optionally, the compiled training step (used when ``spec.schedule`` is
+        ``None``).
 
     Returns:
       ``{kind: KindTraffic}``. Raises if a program holds a collective inside a branch or a
@@ -220,11 +250,11 @@ def traffic_per_kind(
     )
     out = {}
     for kind, k in sorted(first_steps.items()):
-        if spec.pin is None and compiled is not None:
+        if spec.schedule is None and compiled is not None:
             text = compiled.as_text()
         else:
-            lowered = jax.jit(make_step(spec, loss_fn, mesh, pinned_step=k)).lower(*shapes)
-            text = lowered.compile({"xla_backend_optimization_level": 0}).as_text()
+            program = jax.jit(make_step(spec, loss_fn, mesh, spec.kind(k)))
+            text = program.lower(*shapes).compile(FAST_COMPILE).as_text()
         stats = ozo.parse_hlo(text)
         for c in stats.collectives:
             if c.conditional or c.executions != 1:
@@ -289,7 +319,7 @@ def update_comm_stats(
 
     Only the update is compiled, no model: each worker gets gradients shaped like ``params``
     (averaged with a float32 ``pmean`` first if ``spec.average_grads``). With ``step=k`` the
-    counters are pinned to update ``k`` through ``spec.pin``, so the program holds that step's
+    update is compiled for the kind of step ``k`` (a static hint), so the program holds that
     kind alone. ``spec.tx`` must be able to ``init`` outside the mapped context (build it with
     ``num_workers=N``).
 
@@ -298,7 +328,7 @@ def update_comm_stats(
       params: one worker's parameters (arrays or ``jax.ShapeDtypeStruct``).
       num_workers: ``N``; the mesh is the first ``N`` devices. A pair ``(nodes, local)``
         makes it a :func:`node_mesh` (build ``spec.tx`` with ``fast_axis_name="local"``).
-      step: the 1-based step to pin, or ``None`` to keep the counters as inputs.
+      step: the 1-based step whose kind to compile, or ``None`` for the unhinted update.
       compiler_options: XLA options for the compile, e.g. :data:`FAST_COMPILE` (the HLO passes
         that place and combine collectives run either way; only code generation is cheaper).
 
@@ -310,12 +340,12 @@ def update_comm_stats(
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     state = jax.eval_shape(spec.tx.init, shapes)
 
+    kind = None if step is None else spec.kind(step)
+
     def update(grads: Any, state: Any, params: Any) -> Any:
-        if step is not None and spec.pin is not None:
-            state = spec.pin(state, step)
         if spec.average_grads:
             grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), axes)
-        return spec.tx.update(grads, state, params)
+        return spec.tx.update(grads, state, params, step_kind=kind)
 
     args = (worker_specs(shapes, mesh), worker_specs(state, mesh), worker_specs(shapes, mesh))
     if compiler_options is None:

@@ -117,6 +117,9 @@ def initial(init: Any, num_workers: int) -> tuple[Any, Any]:
 def init_params_like(params: Any, state: Any) -> Any:
     """``params`` placed like ``state`` (so that a restore target carries the right sharding)."""
     sharding = jax.tree.leaves(state)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):  # the worker axis alone: any rank
+        spec = jax.sharding.PartitionSpec(sharding.spec[0])
+        sharding = jax.sharding.NamedSharding(sharding.mesh, spec)
     return jax.device_put(params, sharding)
 
 
@@ -171,7 +174,7 @@ def train(
         one = ozo.unreplicate(state)
         variance = ozo.VarianceDoubling(SCHEDULE["var_freeze_step"], SCHEDULE["var_update_scaler"])
         local = ozo.LocalStepDoubling(SCHEDULE["local_step_scaler"], SCHEDULE["local_step_clipper"])
-        kind = ozo.STEP_KINDS[int(ozo.step_kind(one, variance, local))]
+        kind = ozo.step_kind(one, ozo.StepSchedule(variance, local)).name
         x = ozo.unreplicate(params)
         anchor = ozo.synchronized_params(x, one)
         moved = any(np.any(a != p) for a, p in zip(jax.tree.leaves(anchor), jax.tree.leaves(x)))

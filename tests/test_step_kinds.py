@@ -1,0 +1,338 @@
+"""Static step kinds: a hinted update is the in-graph update of that kind, bit for bit; a wrong
+hint is never applied; the host-side dispatch follows the schedule, survives skipped steps and
+restores, and refuses a schedule that is not the optimizer's; optax's contracts on the state."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from support.kinds import kind_index
+
+import optax_zero_one as ozo
+from optax_zero_one import _graph
+
+N = 4
+AXIS = "w"
+VARIANCE = ozo.VarianceDoubling(freeze_step=8, update_scaler=2)  # variance 1, 2, 4, 6, 8
+LOCAL = ozo.LocalStepDoubling(scaler=2, clipper=4)  # syncs 9, 10, 12, 16, 20, 24, ...
+SCHEDULE = ozo.StepSchedule(VARIANCE, LOCAL)
+ONEBIT_FREEZE = 5
+SHAPES = {"w": (37, 5), "b": (11,), "e": (3, 4, 2)}
+
+
+def zero_one(**kw):
+    return ozo.scale_by_zero_one_adam(
+        1e-2, variance_policy=VARIANCE, local_step_policy=LOCAL, axis_name=AXIS, **kw
+    )
+
+
+def onebit(**kw):
+    return ozo.onebit_adam(1e-2, freeze_step=ONEBIT_FREEZE, axis_name=AXIS, **kw)
+
+
+CASES = {
+    "zero_one_adam": (zero_one, SCHEDULE),
+    "onebit_adam": (onebit, ozo.onebit_schedule(ONEBIT_FREEZE)),
+    "zero_one_adam_psum": (lambda: zero_one(collective="psum", weight_decay=0.1), SCHEDULE),
+}
+
+
+def params0():
+    rng = np.random.default_rng(0)
+    return {k: jnp.asarray(rng.standard_normal((N, *s)), jnp.float32) for k, s in SHAPES.items()}
+
+
+def grads_at(k):
+    rng = np.random.default_rng(100 + k)
+    return {k: jnp.asarray(rng.standard_normal((N, *s)), jnp.float32) for k, s in SHAPES.items()}
+
+
+def update_program(tx, kind):
+    """The vmapped update (no apply) for ``kind`` (``None``: decided in the graph)."""
+    return jax.jit(jax.vmap(lambda g, s, p: tx.update(g, s, p, step_kind=kind), axis_name=AXIS))
+
+
+def assert_same_bits(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_same_to_rounding(a, b):
+    """Equal but for the rounding of a multiply-add: XLA:CPU contracts ``b1 m + (1 - b1) g``
+    into one fused multiply-add in some programs and not in others, which moves the result by
+    up to one unit in the last place of the larger term (measured on ``m``, nothing else)."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype.kind != "f":
+            np.testing.assert_array_equal(x, y)
+        else:
+            ulp = np.spacing(np.abs(y).max()) if y.size else 0.0
+            np.testing.assert_allclose(x, y, rtol=0, atol=2 * ulp)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_hinted_update_is_the_in_graph_update(name):
+    make, schedule = CASES[name]
+    tx = make()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    in_graph = update_program(tx, None)
+    hinted = {kind.name: update_program(tx, kind) for kind in schedule.kinds}
+    seen = set()
+    for k in range(1, 22):
+        kind = schedule.kind(k)
+        seen.add(kind.name)
+        u1, s1 = in_graph(grads_at(k), state, params)
+        u2, s2 = hinted[kind.name](grads_at(k), state, params)
+        assert_same_to_rounding((u1, s1), (u2, s2))
+        again = hinted[kind.name](grads_at(k), state, params)
+        assert_same_bits((u2, s2), again)  # one program is deterministic
+        assert ozo.step_count(s2) == k
+        params, state = optax.apply_updates(params, u1), s1
+    assert seen == set(schedule.names)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_wrong_hint_is_not_applied(name):
+    make, schedule = CASES[name]
+    tx = make()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    run = update_program(tx, None)
+    hinted = {kind.name: update_program(tx, kind) for kind in schedule.kinds}
+    checked = 0
+    for k in range(1, 14):
+        right = schedule.kind(k)
+        for wrong in schedule.kinds:
+            if wrong == right:
+                continue
+            u, s = hinted[wrong.name](grads_at(k), state, params)
+            for x in jax.tree.leaves(u):  # not applied: no move at all
+                assert np.all(np.asarray(x) == 0), (k, right, wrong)
+            assert_same_bits(without_records(s), without_records(state))
+            assert refused_count(s) > refused_count(state)
+            checked += 1
+        u, state = run(grads_at(k), state, params)
+        params = optax.apply_updates(params, u)
+    assert checked >= 13
+
+
+def without_records(state):
+    """``state`` without what a refused hint may change: the refusal records and the count of
+    skipped updates (a refused hint before local steps goes through the guard that skips)."""
+
+    if hasattr(state, "_fields"):
+        fields = {f: getattr(state, f) for f in state._fields}
+        for field in ("refused_hint", "skipped_updates"):
+            if field in fields:
+                fields[field] = 0
+        return type(state)(**{f: without_records(v) for f, v in fields.items()})
+    if isinstance(state, tuple | list):
+        return type(state)(without_records(v) for v in state)
+    return state
+
+
+def refused_count(state):
+    return sum(int(np.asarray(r)[..., 0].max()) for _, r in _graph.refusals(state))
+
+
+@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+def test_dispatch_follows_the_schedule_with_one_program_per_kind(name):
+    make, schedule = CASES[name]
+    tx = make()
+
+    def step(params, state, g, step_kind=None):
+        u, state = tx.update(g, state, params, step_kind=step_kind)
+        return optax.apply_updates(params, u), state
+
+    compiled = []
+
+    def compile_kind(kind):
+        compiled.append(kind.name)
+        return jax.jit(jax.vmap(functools.partial(step, step_kind=kind), axis_name=AXIS))
+
+    run = ozo.dispatch_by_kind(compile_kind, schedule)
+    live = jax.jit(jax.vmap(step, axis_name=AXIS))
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    p1, s1, p2, s2 = params, state, params, state
+    for k in range(1, 30):
+        assert run.next_kind(s2) == schedule.kind(k)
+        p1, s1 = live(p1, s1, grads_at(k))
+        p2, s2 = run(p2, s2, grads_at(k))
+        # identical updates and states; apply_updates may round once differently between two
+        # programs (XLA contracts p + lr d into one fused multiply-add in one but not the other)
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
+    run.settle()
+    assert sorted(compiled) == sorted(schedule.names)  # each kind compiled once, on first use
+    for program in run.programs.values():
+        assert program._cache_size() == 1  # and never again
+    assert ozo.step_count(s2) == 29 and run.skipped == 0 and run.lost == 0
+
+
+def test_dispatch_reads_the_counter_again_after_a_restore():
+    tx = zero_one()
+
+    def compile_kind(kind):
+        return jax.jit(
+            jax.vmap(
+                lambda p, s, g: _step(tx, p, s, g, kind),
+                axis_name=AXIS,
+            )
+        )
+
+    run = ozo.dispatch_by_kind(compile_kind, SCHEDULE)
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    saved = None
+    for k in range(1, 13):
+        if k == 7:
+            saved = jax.tree.map(np.asarray, (params, state))
+        params, state = run(params, state, grads_at(k))
+    end = jax.tree.map(np.asarray, (params, state))
+    params, state = jax.tree.map(jnp.asarray, saved)  # a restore: the state of step 6
+    for k in range(7, 13):
+        params, state = run(params, state, grads_at(k))
+    assert_same_bits((params, state), end)
+
+
+def _step(tx, params, state, g, kind):
+    u, state = tx.update(g, state, params, step_kind=kind)
+    return optax.apply_updates(params, u), state
+
+
+def test_dispatch_moves_back_after_a_step_every_worker_skipped():
+    """A NaN in phase A is skipped by every worker (the counters stay): the host learns it from
+    the counter a few steps later and goes on with the right kinds."""
+    tx = zero_one()
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)),
+        SCHEDULE,
+    )
+    live = jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, None), axis_name=AXIS))
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    p1, s1, p2, s2 = params, state, params, state
+    for i in range(1, 26):
+        g = grads_at(i)
+        if i == 7:  # worker 2's gradient is not finite: the compressed step 7 is skipped
+            g = {**g, "w": g["w"].at[2, 0, 0].set(jnp.nan)}
+        p1, s1 = live(p1, s1, g)
+        p2, s2 = run(p2, s2, g)
+    run.settle()
+    assert ozo.step_count(s1) == 24 and ozo.step_count(s2) == 24 - run.lost
+    assert run.skipped == 1
+    # the lost steps (dispatched before the host knew, of the wrong kind) are not applied
+    assert run.lost <= 2  # the dispatcher's lag
+    if run.lost == 0:
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
+
+
+def test_dispatch_refuses_a_schedule_that_is_not_the_optimizers():
+    tx = zero_one()
+    other = ozo.StepSchedule(ozo.VarianceDoubling(8, 4), LOCAL)  # variance 1, 2, 3, 4, 6, 8
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)),
+        other,
+    )
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    with pytest.raises(ValueError, match=r"step 3 .*'variance'.* asked for a 1-bit mean"):
+        for k in range(1, 10):
+            params, state = run(params, state, grads_at(k))
+        run.settle()
+    assert ozo.step_count(state) <= 3  # step 3 was not applied
+
+
+def test_hints_are_checked_at_the_call():
+    tx = zero_one()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params0())
+    with pytest.raises(ValueError, match="step_kind must be None .* or an optax_zero_one.StepKind"):
+        jax.vmap(lambda g, s, p: tx.update(g, s, p, step_kind="local"), axis_name=AXIS)(
+            grads_at(1), state, params0()
+        )
+    with pytest.raises(ValueError, match="StepSchedule"):
+        ozo.dispatch_by_kind(lambda kind: None, ozo.STEP_KINDS)
+
+
+def test_the_in_graph_kind_of_a_state_matches_the_host_schedule():
+    tx = zero_one()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    run = update_program(tx, None)
+    for k in range(1, 30):
+        got = np.asarray(jax.vmap(lambda s: kind_index(s, VARIANCE, LOCAL))(state))
+        assert set(got.tolist()) == {int(SCHEDULE.indices(k, first=k)[0])}
+        assert ozo.step_kind(state, SCHEDULE) == SCHEDULE.kind(k)
+        u, state = run(grads_at(k), state, params)
+        params = optax.apply_updates(params, u)
+
+
+# -- optax contracts --------------------------------------------------------------------------
+
+
+SINGLE = {
+    "zero_one_adam": lambda **kw: ozo.zero_one_adam(1e-3, var_freeze_step=4, **kw),
+    "onebit_adam": lambda **kw: ozo.onebit_adam(1e-3, freeze_step=4, **kw),
+    "scheduled_mean": lambda **kw: ozo.scheduled_mean(
+        kw.pop("axis_name", None), ozo.VarianceDoubling(4), **kw
+    ),
+    "frozen_variance": lambda **kw: ozo.scale_by_frozen_variance_adam(
+        variance_policy=ozo.VarianceDoubling(4)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SINGLE)
+@pytest.mark.parametrize("workers", [None, 4])
+def test_tree_map_params_works_on_every_state(name, workers):
+    """``optax.tree_map_params`` (how frameworks derive the state's shardings): params-like
+    trees are mapped; the flat buffers of ``flatten`` are not params-like and go to
+    ``transform_non_params``."""
+    kw = {} if workers is None else {"axis_name": AXIS, "num_workers": workers}
+    if name == "frozen_variance":
+        kw = {}
+    tx = SINGLE[name](**kw)
+    params = {"w": jnp.ones((6, 3)), "b": jnp.ones(5)}
+    state = tx.init(params)
+    marked = optax.tree_map_params(
+        tx, lambda p: "param", state, transform_non_params=lambda x: "other"
+    )
+    leaves = jax.tree.leaves(marked)
+    assert len(leaves) == len(jax.tree.leaves(state))
+    mapped = [x for x in leaves if x == "param"]
+    if name == "frozen_variance":
+        assert len(mapped) == 2 * len(params)  # mu and nu, leaf by leaf
+    else:  # flat buffers (error feedback, or all of flatten's) and counters
+        assert not mapped and set(leaves) == {"other"}
+
+
+@pytest.mark.parametrize("alias", ["zero_one_adam", "onebit_adam"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_inject_hyperparams_keeps_the_plain_state_structure(alias, weight_decay):
+    factory = {"zero_one_adam": ozo.zero_one_adam, "onebit_adam": ozo.onebit_adam}[alias]
+    static = ("var_freeze_step",) if alias == "zero_one_adam" else ("freeze_step",)
+    freeze = dict.fromkeys(static, 4)
+    params = {"w": jnp.ones((6, 3))}
+    plain = factory(1e-3, weight_decay=weight_decay, **freeze).init(params)
+    injected = optax.inject_hyperparams(factory, static_args=static)(
+        learning_rate=1e-3, weight_decay=weight_decay, **freeze
+    ).init(params)
+    assert jax.tree.structure(injected.inner_state) == jax.tree.structure(plain)
+
+
+def test_a_plain_optax_transform_inside_local_step_sync_takes_extra_args():
+    inner = optax.GradientTransformation(*optax.sgd(0.1))  # no extra-args support of its own
+    tx = ozo.local_step_sync(inner, LOCAL, AXIS)
+
+    def step(g, p):
+        state = tx.init(p)
+        return tx.update(g, state, p, step_kind=None, some_other_arg=1.0)[0]
+
+    out = jax.vmap(step, axis_name=AXIS)(jnp.ones((N, 3)), jnp.zeros((N, 3)))
+    assert np.all(np.isfinite(np.asarray(out)))
