@@ -72,7 +72,7 @@ def bytes_per_step_kind(params, n):
     """Bytes one of ``n`` workers sends per step of each kind (``docs/algorithm.md``).
 
     Float ring all-reduce: ``2 * 4 P (n-1)/n``. 1-bit mean: every leaf padded to a multiple of
-    ``n * lcm(n, 8)`` elements and cut into ``n`` chunks, each rounded up to the layout's block
+    ``8 n`` elements and cut into ``n`` chunks, each rounded up to the layout's block
     (``ozo.Layout``: 8 elements for small models); row ``j`` of the worker-major buffer (chunk
     ``j`` of every leaf, ``C`` = ``layout.width`` columns) goes to worker ``j``. One all-to-all
     and one all-gather, each sending ``n - 1`` rows of ``C/8`` bytes of signs plus a 4-byte

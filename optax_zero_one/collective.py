@@ -344,7 +344,7 @@ def onebit_mean(
 ) -> optax.GradientTransformationExtraArgs:
     r"""1-bit compressed mean over a named axis, with error feedback.
 
-    Each worker ``i`` pads each leaf to ``P`` (a multiple of ``N * lcm(N, 8)``), adds its error
+    Each worker ``i`` pads each leaf to ``P`` (a multiple of ``8 N``), adds its error
     and sends signs and one RMS scale per leaf; worker ``j`` averages chunk ``j`` and compresses
     it again with its own error; every worker gathers the result::
 

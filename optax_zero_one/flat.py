@@ -6,7 +6,7 @@ number of leaves (``docs/design.md``, "The flat layout"). The layout is the one 
 collective sends, so that its payload is a reshape:
 
 - each leaf ``l`` (``n_l`` elements) is flattened and zero-padded to ``P_l``, a multiple of
-  ``N * lcm(N, 8)`` (``N`` workers): the padding the compressed mean is defined with;
+  ``8 N`` (``N`` workers): the padding the compressed mean is defined with;
 - it is cut into ``N`` chunks of ``c_l = P_l / N`` elements, and row ``j`` of the buffer holds
   chunk ``j`` of every leaf, one after the other: a buffer has shape ``(N, C)``;
 - in memory each chunk is followed by zeros up to a multiple of a block size ``B`` (a power of
@@ -41,8 +41,10 @@ _MAX_BLOCKS = 1 << 20  # block tables of at most 4 MiB (int32) per layout
 def padded_size(size: int, num_workers: int) -> int:
     """Length a leaf of ``size`` elements is padded to for ``num_workers`` workers.
 
-    The smallest multiple of ``N * lcm(N, 8)`` that holds ``size`` elements, so that each of the
-    ``N`` chunks is a whole number of bytes once packed 8 signs per byte (DeepSpeed's choice).
+    The smallest multiple of ``8 N`` that holds ``size`` elements, so that each of the ``N``
+    chunks is a whole number of bytes once packed 8 signs per byte. (DeepSpeed pads to a
+    multiple of ``N lcm(N, 8)``: the same for ``N`` = 1, 2, 4, 8, up to ``N / 8`` times more
+    padding per leaf beyond; ``docs/algorithm.md``, "Where we differ".)
 
     Example:
       >>> padded_size(100, 4)
@@ -52,7 +54,7 @@ def padded_size(size: int, num_workers: int) -> int:
         raise ValueError(
             f"padded_size needs size >= 0 and num_workers >= 1, got {size}, {num_workers}"
         )
-    unit = num_workers * math.lcm(num_workers, 8)
+    unit = 8 * num_workers
     return -(-size // unit) * unit
 
 
@@ -92,7 +94,7 @@ class Layout:
 
     @functools.cached_property
     def padded(self) -> np.ndarray:
-        """``P_l``: the padded length of each leaf (a multiple of ``N lcm(N, 8)``)."""
+        """``P_l``: the padded length of each leaf (a multiple of ``8 N``)."""
         return np.asarray([padded_size(int(n), self.num_workers) for n in self.sizes], np.int64)
 
     @functools.cached_property

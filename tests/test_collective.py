@@ -144,7 +144,7 @@ def test_init_outside_mapped_context_needs_num_workers():
     with pytest.raises(ValueError, match="num_workers"):
         ozo.onebit_mean(AXIS).init(params)
     state = ozo.onebit_mean(AXIS, num_workers=4).init(params)
-    assert state.worker_error.buffer.shape == (4, 8)  # 4 rows of one chunk of 4 * lcm(4, 8) / 4
+    assert state.worker_error.buffer.shape == (4, 8)  # 4 rows of one chunk of 8 * 4 / 4
     assert state.server_error.shape == (8,)
     replicated = ozo.replicate(state, 4)
     step = mapped(lambda t, s: ozo.onebit_mean(AXIS, num_workers=4).update(t, s), "vmap", 4)

@@ -3,7 +3,7 @@
 The schedule (kappa = 2, F = 41, alpha = 10, H = 4, 68 steps) is small enough to list: variance
 steps 1, 2, 4, 6, 8, 12, 16, 24, 32; syncs every step 42..51 (interval 1 for alpha = 10 steps),
 then every 2nd step to 60, then every 4th: 64, 68. The bytes of a float and of a 1-bit step are
-written out from docs/algorithm.md (ring all-reduce; padding to N lcm(N, 8); 4-byte scales), not
+written out from docs/algorithm.md (ring all-reduce; padding to 8 N; 4-byte scales), not
 taken from the library, so that neither the HLO reading nor the accounting can drift.
 """
 
@@ -37,14 +37,14 @@ COUNTS = {
 
 def float_step_bytes(n, padded=False):
     """A ring all-reduce of float32: of every element (Adam), or of the optimizers' flat buffer,
-    each leaf padded to a multiple of N lcm(N, 8) (1-bit and 0/1 Adam average it as it is)."""
-    unit = n * math.lcm(n, 8)
+    each leaf padded to a multiple of 8 N (1-bit and 0/1 Adam average it as it is)."""
+    unit = 8 * n
     count = sum(-(-s // unit) * unit for s in SIZES) if padded else NUMEL
     return 2 * (n - 1) / n * 4 * count
 
 
 def one_bit_step_bytes(n):
-    unit = n * math.lcm(n, 8)
+    unit = 8 * n
     padded = [-(-s // unit) * unit for s in SIZES]
     all_to_all = (n - 1) / n * (sum(padded) // 8 + n * 4 * LEAVES)
     all_gather = (n - 1) * (sum(padded) // n // 8 + 4 * LEAVES)
@@ -126,7 +126,7 @@ def test_hierarchical_programs_send_what_the_formulas_say(accountant):
     """On 2 nodes x 4 workers: the classes, and the bytes over each axis from docs/hierarchical.md
     (the layout's width C for all 8 workers; S = 2 nodes, L = 4 workers per node)."""
     s, per_node, n = 2, 4, 8
-    unit = n * math.lcm(n, 8)
+    unit = 8 * n
     width = sum(-(-size // unit) * unit for size in SIZES) // n  # C (blocks of 8 add nothing)
     reply = width // 8 + 4 * LEAVES  # one server's packed chunk and its scales
     want = {

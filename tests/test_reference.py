@@ -62,14 +62,14 @@ def padded(a, p):
         (1, 2, 16),
         (16, 2, 16),
         (17, 2, 32),
-        (1, 3, 72),  # 3 * lcm(3, 8) = 72
-        (73, 3, 144),
+        (1, 3, 24),  # 8 * 3 (DeepSpeed: 3 * lcm(3, 8) = 72)
+        (73, 3, 96),
         (5, 4, 32),
         (33, 4, 64),
         (1, 8, 64),
-        (1, 16, 256),  # 16 * lcm(16, 8) = 256
-        (257, 16, 512),
-        (1, 6, 144),  # 6 * lcm(6, 8) = 6 * 24
+        (1, 16, 128),  # 8 * 16 (DeepSpeed: 16 * lcm(16, 8) = 256)
+        (257, 16, 384),
+        (1, 6, 48),  # 8 * 6 (DeepSpeed: 6 * lcm(6, 8) = 144)
     ],
 )
 def test_padded_size(n, num_workers, expected):
@@ -268,8 +268,8 @@ def test_compressed_mean_reset():
     assert np.abs(comp.worker_error[1][0]).max() > 0
     comp.reset()
     for i in range(3):
-        np.testing.assert_array_equal(comp.worker_error[i][0], np.zeros(72))
-        np.testing.assert_array_equal(comp.server_error[i][0], np.zeros(24))
+        np.testing.assert_array_equal(comp.worker_error[i][0], np.zeros(24))  # 8 * 3
+        np.testing.assert_array_equal(comp.server_error[i][0], np.zeros(8))
 
 
 # --------------------------------------------------------------------------------------

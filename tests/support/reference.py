@@ -25,10 +25,10 @@ LearningRate = float | Callable[[int], float]
 
 
 def padded_size(n: int, num_workers: int) -> int:
-    """Smallest multiple of ``N * lcm(N, 8)`` that is ``>= n`` (``0`` for ``n == 0``)."""
+    """Smallest multiple of ``8 N`` that is ``>= n`` (``0`` for ``n == 0``)."""
     if n < 0 or num_workers < 1:
         raise ValueError(f"bad arguments n={n}, num_workers={num_workers}")
-    unit = num_workers * math.lcm(num_workers, 8)
+    unit = 8 * num_workers
     return -(-n // unit) * unit
 
 
