@@ -172,14 +172,28 @@ def no_refusals() -> jax.Array:
     return jnp.zeros((2,), jnp.int32)
 
 
-def refuse_unless(ok: Any, expected: jax.Array, new_state: Any, old_state: Any) -> Any:
-    """A hinted step's state: ``new_state`` where the hint matched the counters (``ok``), else
-    ``old_state`` with the refusal recorded in its ``refused_hint`` (one more refused hint, and
-    1 + ``expected``, the branch the counters asked for)."""
-    kept = keep_if(ok, new_state, old_state)
-    old = old_state.refused_hint
-    refused = jnp.stack([old[0] + 1, expected.astype(jnp.int32) + 1])
-    return kept._replace(refused_hint=jnp.where(ok, old, vary_over(refused, varying_axes(old))))
+STEP_OK = "step_ok"
+"""The extra argument a hinted wrapper passes to its inner transforms: a traced bool, false
+when the wrapper refused its hint (or was told so by its own caller), so that every transform
+keeps its buffers in the pass that writes them (no select over the state afterwards)."""
+
+
+def admitted(own_ok: Any, extra_args: dict) -> Any:
+    """Whether a hinted step is applied: this transform's own check, and the caller's."""
+    outer = extra_args.get(STEP_OK)
+    return own_ok if outer is None else jnp.logical_and(own_ok, outer)
+
+
+def refuse_unless(ok: Any, own_ok: Any, expected: jax.Array, new_state: Any, old: Any) -> Any:
+    """A hinted step's state: ``new_state`` where it is applied (``ok``), else its scalars taken
+    from ``old`` (the buffers were kept by the passes that wrote them, told by ``ok``); a
+    refusal of this transform's own hint (``own_ok`` false) is recorded in ``refused_hint``
+    (one more, and 1 + ``expected``, the branch its counters asked for)."""
+    kept = restore_scalars(ok, new_state, old)
+    record = old.refused_hint
+    refused = jnp.stack([record[0] + 1, expected.astype(jnp.int32) + 1])
+    refused = vary_over(refused, varying_axes(record))
+    return kept._replace(refused_hint=jnp.where(own_ok, record, refused))
 
 
 def keep_if_finite(finite: Any, step: Any, new_state: Any, skipped_state: Any) -> tuple[Any, Any]:

@@ -153,18 +153,27 @@ def scale_by_frozen_variance_adam(
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "scale_by_frozen_variance_adam")
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
         now = expected(state)
-        run = lambda branch, operand: step(branch, *operand, params, extra_args)  # noqa: E731
         if kind is None:
-            branches = [functools.partial(run, b) for b in (UPDATE_V, KEEP_V, FROZEN)]
+            branches = [
+                functools.partial(lambda b, o: step(b, True, *o, params, extra_args), b)
+                for b in (UPDATE_V, KEEP_V, FROZEN)
+            ]
             return _graph.switch(now, branches, (grads, state), axis_name)
         branch = branch_of(kind)
-        direction, new_state = run(branch, (grads, state))
-        ok = now == branch  # a wrong hint is not applied: NaN for the guard, state kept
-        nan = jax.tree.map(lambda d: jnp.where(ok, d, jnp.nan), direction)
-        return nan, _graph.refuse_unless(ok, now, new_state, state)
+        own = now == branch
+        admit = _graph.admitted(own, extra_args)  # a wrong hint is not applied: state kept
+        extra = {**extra_args, _graph.STEP_OK: admit}
+        direction, new_state = step(branch, admit, grads, state, params, extra)
+        nan = jax.tree.map(lambda d: jnp.where(admit, d, jnp.nan), direction)
+        return nan, _graph.refuse_unless(admit, own, now, new_state, state)  # NaN: for the guard
 
     def step(
-        branch: int, grads: Any, state: FrozenVarianceAdamState, params: Any, extra_args: dict
+        branch: int,
+        admit: Any,
+        grads: Any,
+        state: FrozenVarianceAdamState,
+        params: Any,
+        extra_args: dict,
     ) -> tuple:
         k = state.count + 1
         frozen = branch == FROZEN
@@ -181,14 +190,16 @@ def scale_by_frozen_variance_adam(
             ok = jnp.ones([], bool)
         else:
             ok = jnp.ones([], bool)  # local gradients, already checked by who passes them
+        ok = jnp.logical_and(ok, admit)
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         mu = jax.tree.map(lambda m, g: keep(b1 * m + (1 - b1) * g, m), state.mu, grads)
         nu = state.nu
         if branch == UPDATE_V:
             nu = jax.tree.map(lambda v, g: keep(b2 * v + (1 - b2) * jnp.square(g), v), nu, grads)
         if frozen and momentum_mean is not None:
-            mean, averaged = momentum_mean.update(mu, averaged, params, **extra_args)
-            ok = _graph.all_finite(mean)  # an overflow: skipped together
+            mean, new_averaged = momentum_mean.update(mu, averaged, params, **extra_args)
+            averaged = _graph.keep_if(admit, new_averaged, averaged)
+            ok = jnp.logical_and(_graph.all_finite(mean), admit)  # an overflow: skipped together
             mu = jax.tree.map(lambda x, o: jnp.where(ok, x, o), mean, mu)
         direction = jax.tree.map(
             lambda m, v: jnp.where(ok, m / (jnp.sqrt(v) + eps), jnp.nan), mu, nu

@@ -293,16 +293,24 @@ def local_step_sync(
             _checks.resolve_num_workers(axes, num_workers)
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "local_step_sync")
         now = expected(state)
-        run = lambda branch, operand: step(branch, *operand, params, extra_args)  # noqa: E731
         if kind is None:
-            branches = [functools.partial(run, b) for b in (PASS, LOCAL, SYNC)]
+            branches = [
+                functools.partial(lambda b, o: step(b, True, *o, params, extra_args), b)
+                for b in (PASS, LOCAL, SYNC)
+            ]
             return _graph.switch(now, branches, (updates, state), axes)
         branch = branch_of(kind)
-        new_updates, new_state = run(branch, (updates, state))
-        ok = now == branch  # a wrong hint is not applied: zero update, state kept
-        return _graph.zero_unless(ok, new_updates), _graph.refuse_unless(ok, now, new_state, state)
+        own = now == branch
+        ok = _graph.admitted(own, extra_args)  # a wrong hint is not applied: state kept
+        extra = {**extra_args, _graph.STEP_OK: ok}
+        new_updates, new_state = step(branch, ok, updates, state, params, extra)
+        return _graph.zero_unless(ok, new_updates), _graph.refuse_unless(
+            ok, own, now, new_state, state
+        )
 
-    def step(branch: int, updates: Any, state: LocalStepSyncState, params: Any, extra: dict) -> Any:
+    def step(
+        branch: int, admit: Any, updates: Any, state: LocalStepSyncState, params: Any, extra: dict
+    ) -> Any:
         k = state.count + 1
         skipped = state._replace(skipped_updates=state.skipped_updates + 1)
         if branch == PASS:  # the inner transform communicates: check what it returned
@@ -329,12 +337,15 @@ def local_step_sync(
             # after start_step is always a sync, as LocalStepDoubling's, a local step never
             # needs this and reads neither buffer.)
             x = jax.tree.map(lambda p, a: p.astype(a.dtype), params, anchor)
+            first = jnp.logical_and(first, admit)
             anchor = jax.tree.map(lambda a, p: jnp.where(first, p, a), anchor, x)
             inner_state, own = _fresh_errors(rule, inner_state, start_step, own, first)
         if branch == SYNC:
             errors = _lent(rule, inner_state, start_step, own)
             payload = _payload(rule, inner_state, anchor, x, out)
-            mean, errors, finite = _compressed(payload, errors)
+            mean, new_errors, finite = _compressed(payload, errors)
+            errors = _graph.keep_if(admit, new_errors, errors)
+            finite = jnp.logical_and(finite, admit)
             anchor = _averaged_step(rule, inner_state, anchor, mean, finite)
             inner_state = rule.after_sync(inner_state, mean, lr_sum, finite)
             inner_state, own = _give_back(rule, inner_state, start_step, own, errors)

@@ -143,15 +143,16 @@ def scheduled_mean(
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "scheduled_mean")
         now = expected(state)
         if kind is None:
-            branches = [functools.partial(step, b) for b in (FLOAT, COMPRESS, IDLE)]
+            branches = [functools.partial(step, b, True) for b in (FLOAT, COMPRESS, IDLE)]
             return _graph.switch(now, branches, (updates, state), axes)
         branch = branch_of(kind)
-        new_updates, new_state = step(branch, (updates, state))
-        ok = now == branch  # a wrong hint is not applied: NaN for the guard, state kept
+        own = now == branch
+        ok = _graph.admitted(own, extra_args)  # a wrong hint is not applied: state kept
+        new_updates, new_state = step(branch, ok, (updates, state))
         nan = jax.tree.map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), new_updates)
-        return nan, _graph.refuse_unless(ok, now, new_state, state)
+        return nan, _graph.refuse_unless(ok, own, now, new_state, state)  # NaN: for the guard
 
-    def step(branch: int, operand: tuple) -> tuple:
+    def step(branch: int, ok: Any, operand: tuple) -> tuple:
         updates, state = operand
         k = state.count + 1
         errors = state.errors
@@ -160,9 +161,10 @@ def scheduled_mean(
             updates = jax.tree.map(lambda m, x: m.astype(x.dtype), mean, updates)
         elif branch == COMPRESS and compressed_steps:
             values, in_form = flat.as_flat(updates, _checks.axis_size(axes))
-            mean, errors, _ = collective_lib.masked_compressed_mean(
+            mean, new_errors, _ = collective_lib.masked_compressed_mean(
                 values, errors, axes, collective, mask
             )
+            errors = _graph.keep_if(ok, new_errors, errors)
             updates = in_form(mean)
         phase_a = k <= freeze
         new_state = ScheduledMeanState(

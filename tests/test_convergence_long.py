@@ -36,6 +36,7 @@ def study(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow  # the study (~110 s): make test-slow, run by CI
 def test_json_holds_the_protocol_s_numbers_per_optimizer(study):
     result, out = study
     paths = cl.write(result, out, "study")
@@ -66,6 +67,7 @@ def test_json_holds_the_protocol_s_numbers_per_optimizer(study):
         assert p["compute_only"] <= p["10 Gbit/s"] <= p["1 Gbit/s"]
 
 
+@pytest.mark.slow  # the study (~110 s): make test-slow, run by CI
 def test_step_kinds_of_the_naive_compositions_follow_their_schedules(study):
     result, _ = study
     opt = result["optimizers"]
@@ -94,6 +96,7 @@ def test_step_kinds_of_the_naive_compositions_follow_their_schedules(study):
     assert opt["local_adam"]["traffic_per_kind"]["local"]["bytes_per_step"] == 0.0
 
 
+@pytest.mark.slow  # the study (~110 s): make test-slow, run by CI
 def test_summary_matches_the_per_optimizer_numbers(study):
     result, _ = study
     opt, s = result["optimizers"], result["summary"]
@@ -107,6 +110,7 @@ def test_summary_matches_the_per_optimizer_numbers(study):
     assert s["claims"]["bytes_reduction_at_least_80pct"] == (100 * less >= 80)
 
 
+@pytest.mark.slow  # the study (~110 s): make test-slow, run by CI
 def test_resume_runs_only_what_is_missing(study, tmp_path, monkeypatch):
     result, _ = study
     small = dataclasses.replace(STUDY, optimizers=("adamw",), seeds=(0,))

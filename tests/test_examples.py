@@ -58,6 +58,9 @@ def outputs():
     return results
 
 
+# The examples compile one program per step kind each (~90 s together on 2 cores): they run with
+# `make test-slow`, which CI runs after `make test`.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", REPORTS_IN_TABLE)
 def test_example_runs_and_reports(outputs, name):
     code, out = outputs[name]
@@ -73,6 +76,7 @@ def test_example_runs_and_reports(outputs, name):
         assert re.search(rf"^\s+{kind}\s+[1-9]\d* steps x", out, re.M), (kind, out[-3000:])
 
 
+@pytest.mark.slow
 def test_jit_sharded_example_trains_on_a_two_d_mesh_and_reports_its_bytes(outputs):
     code, out = outputs["jit_sharded"]
     assert code == 0, out[-3000:]

@@ -191,10 +191,11 @@ def test_inject_hyperparams_works_without_static_args():
     x1 = x2 = [jnp.ones(3)]
     s1, s2 = injected.init(x1), plain.init(x2)
     step1 = jax.jit(lambda x, s, g: injected.update(g, s, x))
+    step2 = jax.jit(lambda x, s, g: plain.update(g, s, x))
     for _ in range(12):
         g = [jnp.asarray(rng.standard_normal(3), jnp.float32)]
         u1, s1 = step1(x1, s1, g)
-        u2, s2 = plain.update(g, s2, x2)
+        u2, s2 = step2(x2, s2, g)
         x1, x2 = optax.apply_updates(x1, u1), optax.apply_updates(x2, u2)
         np.testing.assert_allclose(x1[0], x2[0], rtol=1e-5)
     assert int(s1.hyperparams["var_freeze_step"]) == ZERO_ONE["var_freeze_step"]
@@ -275,11 +276,19 @@ def test_flax_nnx_optimizer_drives_zero_one_adam():
     def loss(m):
         return jnp.sum(m(x) ** 2)
 
-    for _ in range(12):
+    @nnx.jit
+    def nnx_step(optimizer, model):
         optimizer.update(model, nnx.grad(loss)(model))
+
+    @jax.jit
+    def step(params, state):
         grads = jax.grad(lambda p: jnp.sum((x @ p["kernel"] + p["bias"]) ** 2))(params)
         updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(12):
+        nnx_step(optimizer, model)
+        params, state = step(params, state)
     got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     for key in ("kernel", "bias"):
         np.testing.assert_allclose(got[key], params[key], rtol=1e-6, atol=1e-7)
