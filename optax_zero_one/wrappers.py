@@ -125,7 +125,7 @@ def flatten(
             jax.tree.structure(updates),
             [jnp.result_type(x) for x in jax.tree.leaves(updates if params is None else params)],
         )
-        out = from_flat(flat_updates, state.offsets, dtypes)
+        out = from_flat(flat_updates, _graph.once_for_all_workers(state.offsets, axes), dtypes)
         return out, FlattenState(state.offsets, inner_state)
 
     return _checks.transformation(init_fn, update_fn, FlattenState, "this optimizer")
