@@ -18,6 +18,7 @@ typing, the finiteness checks and the counters of a state (``docs/design.md``, "
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -205,6 +206,57 @@ def refuse_unless(ok: Any, own_ok: Any, expected: jax.Array, new_state: Any, old
     refused = jnp.stack([record[0] + 1, expected.astype(jnp.int32) + 1])
     refused = vary_over(refused, varying_axes(record))
     return kept._replace(refused_hint=jnp.where(own_ok, record, refused))
+
+
+def by_kind(
+    hint: int | None,
+    expected: jax.Array,
+    num_branches: int,
+    step: Callable[[int, Any, Any, dict], tuple[Any, Any]],
+    operand: tuple[Any, Any],
+    extra_args: dict,
+    axis_name: Any,
+    refused: Callable[[Any, Any], Any],
+) -> tuple[Any, Any]:
+    """A transform's ``(updates, state)`` for the branch of this step's kind.
+
+    The one place where a transform's hinted and unhinted paths part:
+
+    - ``hint`` is ``None`` (no ``step_kind`` given): :func:`switch` over every branch on
+      ``expected``, the branch the transform's counters ask for, decided in the graph;
+    - else ``hint`` is the branch of the given kind, traced alone. It is applied only where the
+      counters agree and so does the caller (:data:`STEP_OK`, :func:`admitted`); the verdict goes
+      to ``step`` and, as :data:`STEP_OK`, to the transforms inside it, so that every buffer is
+      kept in the pass that writes it. The update is ``refused(ok, updates)`` (NaN for a guard,
+      or zero) and a refusal is recorded in the state (:func:`refuse_unless`).
+
+    Args:
+      hint: the hinted branch, or ``None``.
+      expected: a scalar int32, the branch (``0 .. num_branches - 1``) the counters ask for.
+      num_branches: how many branches ``step`` has.
+      step: ``step(branch, ok, operand, extra_args) -> (updates, state)``, ``branch`` static and
+        ``ok`` a bool (``True`` in the unhinted path) that says whether to write the buffers.
+      operand: ``(updates, state)``, the transform's inputs.
+      extra_args: the extra arguments of this update.
+      axis_name: the worker axis (or axes) of the transform, for :func:`switch`.
+      refused: what a refused step returns as its update, given ``ok`` and the updates.
+    """
+    if hint is None:
+        branches = [
+            functools.partial(lambda b, o: step(b, True, o, extra_args), b)
+            for b in range(num_branches)
+        ]
+        return switch(expected, branches, operand, axis_name)
+    own = expected == hint
+    ok = admitted(own, extra_args)  # a wrong hint is not applied: the state is kept
+    updates, new_state = step(hint, ok, operand, {**extra_args, STEP_OK: ok})
+    return refused(ok, updates), refuse_unless(ok, own, expected, new_state, operand[1])
+
+
+def nan_unless(ok: Any, tree: Any) -> Any:
+    """``tree`` where ``ok`` holds, NaN (in its dtypes) elsewhere: what a refused step returns to
+    the guard around it, which then skips the step."""
+    return jax.tree.map(lambda x: jnp.where(ok, x, jnp.nan).astype(x.dtype), tree)
 
 
 def keep_if_finite(finite: Any, step: Any, new_state: Any, skipped_state: Any) -> tuple[Any, Any]:

@@ -8,7 +8,6 @@ whose ``v`` is updated only on the variance policy's steps and stops at its free
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -152,20 +151,11 @@ def scale_by_frozen_variance_adam(
         _checks.check_tree_matches(updates, state.mu, "updates", "the optimizer state")
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "scale_by_frozen_variance_adam")
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.mu)
-        now = expected(state)
-        if kind is None:
-            branches = [
-                functools.partial(lambda b, o: step(b, True, *o, params, extra_args), b)
-                for b in (UPDATE_V, KEEP_V, FROZEN)
-            ]
-            return _graph.switch(now, branches, (grads, state), axis_name)
-        branch = branch_of(kind)
-        own = now == branch
-        admit = _graph.admitted(own, extra_args)  # a wrong hint is not applied: state kept
-        extra = {**extra_args, _graph.STEP_OK: admit}
-        direction, new_state = step(branch, admit, grads, state, params, extra)
-        nan = jax.tree.map(lambda d: jnp.where(admit, d, jnp.nan), direction)
-        return nan, _graph.refuse_unless(admit, own, now, new_state, state)  # NaN: for the guard
+        hint = None if kind is None else branch_of(kind)
+        run = lambda b, ok, o, extra: step(b, ok, *o, params, extra)  # noqa: E731
+        return _graph.by_kind(
+            hint, expected(state), 3, run, (grads, state), extra_args, axis_name, _graph.nan_unless
+        )
 
     def step(
         branch: int,

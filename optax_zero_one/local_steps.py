@@ -17,7 +17,6 @@ state: what it needs of it, the rule gives it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -292,20 +291,10 @@ def local_step_sync(
         if num_workers is not None:
             _checks.resolve_num_workers(axes, num_workers)
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "local_step_sync")
-        now = expected(state)
-        if kind is None:
-            branches = [
-                functools.partial(lambda b, o: step(b, True, *o, params, extra_args), b)
-                for b in (PASS, LOCAL, SYNC)
-            ]
-            return _graph.switch(now, branches, (updates, state), axes)
-        branch = branch_of(kind)
-        own = now == branch
-        ok = _graph.admitted(own, extra_args)  # a wrong hint is not applied: state kept
-        extra = {**extra_args, _graph.STEP_OK: ok}
-        new_updates, new_state = step(branch, ok, updates, state, params, extra)
-        return _graph.zero_unless(ok, new_updates), _graph.refuse_unless(
-            ok, own, now, new_state, state
+        hint = None if kind is None else branch_of(kind)
+        run = lambda b, ok, o, extra: step(b, ok, *o, params, extra)  # noqa: E731
+        return _graph.by_kind(
+            hint, expected(state), 3, run, (updates, state), extra_args, axes, _graph.zero_unless
         )
 
     def step(

@@ -9,7 +9,6 @@ does the communicating.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -141,18 +140,13 @@ def scheduled_mean(
         del params
         _checks.axis_size(axes)
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "scheduled_mean")
-        now = expected(state)
-        if kind is None:
-            branches = [functools.partial(step, b, True) for b in (FLOAT, COMPRESS, IDLE)]
-            return _graph.switch(now, branches, (updates, state), axes)
-        branch = branch_of(kind)
-        own = now == branch
-        ok = _graph.admitted(own, extra_args)  # a wrong hint is not applied: state kept
-        new_updates, new_state = step(branch, ok, (updates, state))
-        nan = jax.tree.map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), new_updates)
-        return nan, _graph.refuse_unless(ok, own, now, new_state, state)  # NaN: for the guard
+        hint = None if kind is None else branch_of(kind)
+        return _graph.by_kind(
+            hint, expected(state), 3, step, (updates, state), extra_args, axes, _graph.nan_unless
+        )
 
-    def step(branch: int, ok: Any, operand: tuple) -> tuple:
+    def step(branch: int, ok: Any, operand: tuple, extra_args: dict) -> tuple:
+        del extra_args  # nothing inside reads them
         updates, state = operand
         k = state.count + 1
         errors = state.errors
