@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint format clean
+.PHONY: demo test test-fast test-slow lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -m "not slow"
+
+# the edit loop: ruff and the unit tests (< 2 minutes); CI runs `make test` and `make test-slow`
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q -m "not slow and not integration"
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -2,9 +2,10 @@
 
 ``python -m benchmarks.comm_report [--workers 4 8 16] [--sizes 1e5 1e6] [--out PATH]`` compiles
 (only; nothing is allocated) ``onebit_mean`` and ``lax.pmean`` of the same tree under
-``jax.shard_map`` on N simulated CPU devices, reads the collectives from the optimised HLO with
-``optax_zero_one.comm_stats``, and prints a table. The tree is transformer-like: square
-matrices plus biases, ~20 leaves per million elements (``model_trees.transformer_like_tree``).
+``jax.shard_map`` on N simulated CPU devices, reads the collectives from the optimised HLO
+(``benchmarks.support.common.mean_comm_stats``), and prints a table. The tree is
+transformer-like: square matrices plus biases, ~20 leaves per million elements
+(``model_trees.transformer_like_tree``).
 
 Writes ``results/comm_report.json``, ``.md`` (the table) and ``.png`` (bytes per device against
 N, per tree size, with the 1-bit limit ``2 (N-1)/N numel/8``).
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("PJRT_NPROC", "32")  # >= 2x the largest default N, before JAX starts
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+# PJRT_NPROC (2x the devices): set by main() from --workers, common.setup_cpu_devices
 
 import math  # noqa: E402
 

@@ -7,8 +7,8 @@
 1. **What one step of each kind sends** is read from compiled programs, not estimated: one
    optimizer update per step kind is compiled (compile only, ``jax.ShapeDtypeStruct`` inputs) on
    ``N`` simulated CPU devices under ``jax.shard_map``, for that kind alone through the
-   ``step_kind`` hint (so that the program holds no other), and
-   :func:`optax_zero_one.parse_hlo` reads its collectives. Each program is checked against
+   ``step_kind`` hint (so that the program holds no other), and its collectives are read
+   (:func:`benchmarks.support.common.update_comm_stats`). Each program is checked against
    ``docs/algorithm.md``: variance / warm-up / Adam = float32 all-reduce only; compressed /
    sync = one u8 all-to-all + one u8 all-gather; local = nothing.
 2. **How many steps of each kind a run has** comes from walking the optimizers' own policy
@@ -42,22 +42,8 @@ from __future__ import annotations
 import os
 import sys
 
-
-def _max_workers(argv: list[str]) -> int:
-    """The largest ``--workers`` value on a command line (default 128)."""
-    values, taking = [], False
-    for token in argv:
-        if token.startswith("--"):
-            taking = token == "--workers"
-            continue
-        if taking and token.isdigit():
-            values.append(int(token))
-    return max(values, default=128)
-
-
-if __name__ == "__main__":  # simulated devices: before JAX starts its backend (docs/testing.md)
+if __name__ == "__main__":  # before JAX is imported; main() sets PJRT_NPROC from the options
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("PJRT_NPROC", str(2 * _max_workers(sys.argv[1:])))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -78,7 +64,7 @@ from benchmarks.support import common, model_trees  # noqa: E402
 
 ADAM, ONEBIT, ZERO_ONE = "Adam", "1-bit Adam", "0/1 Adam"
 OPTIMIZERS = (ADAM, ONEBIT, ZERO_ONE)
-KIND_NAMES = {ADAM: ("step",), ONEBIT: ozo.ONEBIT_STEP_KINDS, ZERO_ONE: ozo.STEP_KINDS}
+KIND_NAMES = {ADAM: ("step",), ONEBIT: ozo.core.kinds.ONEBIT_STEP_KINDS, ZERO_ONE: ozo.STEP_KINDS}
 
 # Communication classes, and the class docs/algorithm.md says each step kind must be.
 FLOAT, ONE_BIT, SILENT = "float all-reduce", "1-bit", "none"
@@ -154,11 +140,11 @@ def step_kinds(schedule: Schedule) -> dict[str, np.ndarray]:
     """The kind (index into :data:`KIND_NAMES`) of every step of the run, per optimizer.
 
     From the library (:func:`optax_zero_one.step_kinds`, which walks the same policy objects
-    the optimizer is built with, and :func:`optax_zero_one.onebit_step_kinds`).
+    the optimizer is built with, and :func:`optax_zero_one.core.kinds.onebit_step_kinds`).
     """
     return {
         ADAM: np.zeros(schedule.steps, np.int8),
-        ONEBIT: ozo.onebit_step_kinds(schedule.onebit_freeze_step, schedule.steps),
+        ONEBIT: ozo.core.kinds.onebit_step_kinds(schedule.onebit_freeze_step, schedule.steps),
         ZERO_ONE: ozo.step_kinds(
             schedule.variance_policy(), schedule.local_step_policy(), schedule.steps
         ),
@@ -219,7 +205,9 @@ class KindStats:
     compile_cpu_s: float
 
 
-def classify(stats: ozo.CommStats, mesh: jax.sharding.Mesh | None = None) -> str:
+def classify(
+    stats: ozo.integration.comm_stats.CommStats, mesh: jax.sharding.Mesh | None = None
+) -> str:
     """The communication class of a compiled program (see :data:`EXPECTED`; with the ``(node,
     local)`` ``mesh`` of a hierarchical program, :data:`EXPECTED_H`)."""
     if any(c.conditional or c.executions != 1 for c in stats.collectives):
@@ -375,7 +363,7 @@ class Accountant:
 def _fingerprint(params: Any, schedule: Schedule, options: Any, label: str) -> str:
     """A hash of everything a compiled program's collectives depend on."""
     digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(ozo.__file__).parent.glob("*.py")):
+    for path in sorted(pathlib.Path(ozo.__file__).parent.rglob("*.py")):  # core/, integration/
         digest.update(path.read_bytes())
     shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
     extra = (jax.__version__, repr(options), label, repr(shapes), repr(schedule))
@@ -435,13 +423,13 @@ def summarize(
 
 
 def one_bit_limit(
-    leaf_sizes: Sequence[int], num_workers: int, layout: ozo.Layout | None = None
+    leaf_sizes: Sequence[int], num_workers: int, layout: ozo.core.flat.Layout | None = None
 ) -> dict[str, float]:
     """Bytes per worker of one fused 1-bit step, split into the information limit and overheads.
 
     ``limit = 2 (N-1)/N numel/8`` (one bit per element in each phase); padding: each leaf is
     padded to a multiple of ``N lcm(N, 8)`` and each of its ``N`` chunks to a multiple of the
-    layout's block size ``B`` (:class:`optax_zero_one.Layout`: 8 below ~8M parameters per
+    layout's block size ``B`` (:class:`optax_zero_one.core.flat.Layout`: 8 below ~8M parameters per
     worker row, then larger), so one phase sends ``N C / 8`` bytes of signs in all (``C`` the
     layout's width); scales: 4 bytes per leaf and worker, sent to all ``N`` workers in the
     all-to-all and gathered from all in the all-gather.
@@ -449,11 +437,13 @@ def one_bit_limit(
     Args:
       leaf_sizes: elements of each leaf (used to build the layout when none is given).
       num_workers: ``N``.
-      layout: the tree's :class:`optax_zero_one.Layout` for ``N`` workers (default: one of
+      layout: the tree's :class:`optax_zero_one.core.flat.Layout` for ``N`` workers (default: one of
         1-D leaves of ``leaf_sizes``, which has the same columns).
     """
     n, leaves = num_workers, len(leaf_sizes)
-    layout = layout or ozo.Layout.of([jax.ShapeDtypeStruct((int(s),), "f4") for s in leaf_sizes], n)
+    layout = layout or ozo.core.flat.Layout.of(
+        [jax.ShapeDtypeStruct((int(s),), "f4") for s in leaf_sizes], n
+    )
     numel = sum(leaf_sizes)
     padded = n * layout.width
     limit = 2 * (n - 1) / n * numel / 8
@@ -748,7 +738,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-per-s", type=float, default=V100_SEQ_PER_S, help="per worker")
     p.add_argument("--eth-latency-us", type=float, default=50.0)
     p.add_argument("--ib-latency-us", type=float, default=5.0)
-    p.add_argument("--plot-workers", type=int, default=64)
+    p.add_argument(
+        "--plot-workers",
+        type=int,
+        default=64,
+        help="N of the figure (if not one of --workers: the largest of them)",
+    )
     p.add_argument(
         "--nodes",
         default="8x8",
@@ -790,6 +785,8 @@ def main(argv: list[str] | None = None) -> dict:
     workers = sorted(set(args.workers))
     nodes = tuple(int(v) for v in args.nodes.lower().split("x")) if args.nodes else None
     common.setup_cpu_devices(max(workers + ([math.prod(nodes)] if nodes else [])))
+    # the figure's N: --plot-workers if it is one of --workers, else the largest of them
+    plot_workers = args.plot_workers if args.plot_workers in workers else workers[-1]
     schedule = Schedule(
         args.steps,
         args.freeze_step,
@@ -854,7 +851,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "compute_s": compute,
                 **project(counts, per_kind, n, compute, networks),
             }
-            if n == args.plot_workers or (args.plot_workers not in workers and n == workers[-1]):
+            if n == plot_workers:
                 curves[model] = {o: bytes_per_step(kinds[o], o, per_kind) for o in OPTIMIZERS}
         print_tables(model, info, schedule, per_n, say)
         say("\nFused 1-bit step vs the information limit 2(N-1)/N numel/8 (bytes per worker):")
@@ -920,7 +917,7 @@ def main(argv: list[str] | None = None) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=float))
     if curves and args.plot:
-        plot(pathlib.Path(args.plot), curves, args.plot_workers)
+        plot(pathlib.Path(args.plot), curves, plot_workers)
     md = path.with_suffix(".md")
     head = f"# `{out['command'].strip()}` (library {out['library']}, {out['wall_s']:,.0f} s)"
     md.write_text("\n".join([head, "", "```", *report, "```", ""]))

@@ -12,7 +12,8 @@ steps, then cosine decay to 10% of the peak) and one set of Adam constants:
 - ``zero_one_adam``: :func:`optax_zero_one.scale_by_zero_one_adam` with the doubling policies.
 - ``zero_one_adam_psum`` (only with ``--optimizers``): the same with ``collective="psum"``;
 - ``onebit_grad_adam`` and ``local_adam`` (only with ``--optimizers``): the naive compositions
-  (Adam on the 1-bit compressed gradient; local Adam with 1-bit model averaging), see ``EXTRA``.
+  (Adam on the 1-bit compressed gradient; local Adam with 1-bit model averaging), see
+  ``benchmarks.support.training.EXTRA``.
 
 The papers' policies, scaled to the run length ``T``. DeepSpeed's BERT pre-training configs use
 ``var_freeze_step = freeze_step = 23,000`` (about 15% of a ~150k-step run),
@@ -33,7 +34,7 @@ Recorded per optimizer: training loss each step (mean over workers), validation 
 accuracy for ``digits``) every ``eval_every`` steps at the synchronised parameters
 (:func:`optax_zero_one.synchronized_params`), wall time, the step kinds taken, and bytes sent per
 worker: for each step kind, the whole training step compiled for that kind alone through the
-``step_kind`` hint, read with :func:`optax_zero_one.parse_hlo` (``benchmarks/support/common.py``),
+``step_kind`` hint and its collectives read (:func:`benchmarks.support.common.traffic_per_kind`),
 times the number of steps of that kind. Training runs one compiled program per step kind, the
 host picking each step's (:func:`benchmarks.support.common.train_step`). The compressing
 optimizers get the workload's mask of parameters whose gradient is always exactly zero
@@ -42,9 +43,14 @@ optimizers get the workload's mask of parameters whose gradient is always exactl
 With ``--mesh 2x4`` the 8 workers are 2 nodes of 4 (``("node", "local")``) and the compressing
 optimizers take ``fast_axis_name="local"`` (``docs/hierarchical.md``): exact means inside a node,
 1-bit only across nodes. The flat 8-worker 0/1 Adam runs in the same process for comparison, and
-bytes and rounds are reported per mesh axis and across nodes (:func:`across_nodes`).
+bytes and rounds are reported per mesh axis and across nodes
+(:func:`benchmarks.support.training.across_nodes`).
 ``zero_one_adam_node_mean`` (``--optimizers``, with ``--mesh``) also averages the gradients inside
 each node at every step, so that local steps are node-wide.
+
+The configurations, the optimizers and the training of one optimizer are
+``benchmarks/support/training.py`` (shared with ``benchmarks.convergence_long``); this script
+runs them, summarises and writes the results.
 
 Writes ``results/convergence.json``, ``.png`` and ``.md`` (``--quick``: ``convergence_quick.*``;
 ``--workload digits``: ``convergence_digits*.*``; ``--mesh 2x4``: ``convergence_2x4.*``).
@@ -54,342 +60,42 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("PJRT_NPROC", "16")  # >= 2x the simulated devices (docs/testing.md)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported; run() sets PJRT_NPROC
 
 import dataclasses  # noqa: E402
 import pathlib  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
-from benchmarks.support import common, workloads  # noqa: E402
+from benchmarks.support import common, training  # noqa: E402
 
-NUM_WORKERS = 8
-OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam")  # the default run
-# On request (--optimizers): 0/1 Adam with the psum backend, and the two naive compositions the
-# 0/1 Adam paper argues against (Adam is not linear, so compressing its input, or taking local
-# steps of it, hurts): Adam on the 1-bit compressed gradient from step 1 (no warm-up, no frozen
-# variance), and local Adam (full-precision Adam up to the freeze step, then local steps with 1-bit
-# model averaging on 0/1 Adam's sync schedule; each worker keeps its own moments).
-EXTRA = ("zero_one_adam_psum", "onebit_grad_adam", "local_adam")
-# On a (node, local) mesh (--mesh): 0/1 Adam whose gradients are first averaged inside each node,
-# so that local steps average there too (docs/hierarchical.md, "Local steps").
-MESH_EXTRA = ("zero_one_adam_node_mean",)
-RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One benchmark run. Fractions are of ``steps``."""
-
-    workload: str = "char_lm"
-    model: tuple[tuple[str, int], ...] = ()
-    steps: int = 2000
-    eval_every: int = 100
-    peak_lr: float = 2e-3
-    warmup: float = 0.05
-    final_lr: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    freeze: float = 0.15
-    local_scaler: float = 0.22
-    kappa: int = 16
-    clipper: int = 16
-    seed: int = 0
-    optimizers: tuple[str, ...] = OPTIMIZERS
-    mesh: tuple[int, ...] = ()  # (nodes, local): hierarchical compression; (): 8 flat workers
-
-    def schedule(self) -> optax.Schedule:
-        return optax.warmup_cosine_decay_schedule(
-            0.0,
-            self.peak_lr,
-            max(1, round(self.warmup * self.steps)),
-            self.steps,
-            self.final_lr * self.peak_lr,
-        )
-
-    def policies(self) -> tuple[ozo.VarianceDoubling, ozo.LocalStepDoubling]:
-        freeze = max(1, round(self.freeze * self.steps))
-        alpha = max(1, round(self.local_scaler * self.steps))
-        return ozo.VarianceDoubling(freeze, self.kappa), ozo.LocalStepDoubling(alpha, self.clipper)
-
-
-SMALL_GPT = (("dim", 64), ("layers", 2), ("heads", 4), ("context", 64), ("batch_per_worker", 4))
-PRESETS = {
-    ("char_lm", "full"): Config(model=SMALL_GPT, steps=1200, eval_every=100),
-    ("char_lm", "quick"): Config(model=SMALL_GPT, steps=800, eval_every=50),
-    ("digits", "full"): Config(
-        workload="digits", model=(("hidden", 128),), steps=1200, eval_every=100, peak_lr=3e-3
-    ),
-    ("digits", "quick"): Config(
-        workload="digits", model=(("hidden", 64),), steps=300, eval_every=50, peak_lr=3e-3
-    ),
-}
 PROJECT_TO = (10_000, 50_000, 150_000)
 
 
-def make_workload(cfg: Config) -> workloads.Workload:
-    build = {"char_lm": workloads.char_lm, "digits": workloads.digits}[cfg.workload]
-    return build(NUM_WORKERS, seed=cfg.seed, **dict(cfg.model))
-
-
-def _mean_inside_node() -> optax.GradientTransformation:
-    """The float mean of the updates over ``local`` (the workers of one node)."""
-    return optax.GradientTransformation(
-        lambda params: optax.EmptyState(),
-        lambda updates, state, params=None: (jax.lax.pmean(updates, "local"), state),
-    )
-
-
-def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
-    lr, adam = cfg.schedule(), dict(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
-    variance, local = cfg.policies()
-    # the compressing optimizers run over the nodes, exact inside each, on a (node, local) mesh
-    axes = (
-        dict(axis_name="node", fast_axis_name="local") if cfg.mesh else dict(axis_name=common.AXIS)
-    )
-    if name == "adamw":
-        return common.OptimizerSpec(
-            name, optax.adamw(lr, weight_decay=cfg.weight_decay, **adam), average_grads=True
-        )
-    if name == "onebit_adam":
-        tx = ozo.onebit_adam(
-            lr,
-            weight_decay=cfg.weight_decay,
-            freeze_step=variance.freeze_step,
-            mask=mask,
-            **axes,
-            **adam,
-        )
-        return common.onebit_spec(name, tx, variance.freeze_step)
-    if name in ("zero_one_adam", "zero_one_adam_psum", "zero_one_adam_node_mean"):
-        tx = ozo.scale_by_zero_one_adam(
-            lr,
-            weight_decay=cfg.weight_decay,
-            variance_policy=variance,
-            local_step_policy=local,
-            mask=mask,
-            collective="psum" if name.endswith("_psum") else "two_phase",
-            **axes,
-            **adam,
-        )
-        if name.endswith("_node_mean"):
-            if not cfg.mesh:
-                raise ValueError(f"{name} needs a (node, local) mesh: pass --mesh")
-            tx = optax.chain(_mean_inside_node(), tx)
-        return common.zero_one_spec(name, tx, variance, local)
-    if name == "onebit_grad_adam":
-        inner = optax.chain(
-            ozo.onebit_mean(mask=mask, **axes),
-            optax.adamw(lr, weight_decay=cfg.weight_decay, **adam),
-        )
-        return common.OptimizerSpec(name, ozo.flatten(inner, **axes), False, ("compressed",))
-    if name == "local_adam":
-        warmup = ozo.FullPrecisionWarmup(variance.freeze_step)
-        inner = optax.chain(
-            ozo.scheduled_mean(variance_policy=warmup, compressed_steps=False, **axes),
-            optax.adamw(lr, weight_decay=cfg.weight_decay, **adam),
-        )
-        tx = ozo.local_step_sync(inner, local, start_step=warmup.freeze_step, mask=mask, **axes)
-        return common.zero_one_spec(name, ozo.flatten(tx, **axes), warmup, local)
-    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS + EXTRA + MESH_EXTRA}")
-
-
-# Compiled programs, per configuration without its seed (the seed changes data, not programs),
-# so that a second run of one configuration in the same process does not compile again.
-_PROGRAMS: dict[Any, Any] = {}
-_TRAFFIC: dict[Any, Any] = {}
-
-
-def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, args: Any) -> Any:
-    key = (dataclasses.replace(cfg, seed=0, optimizers=()), name)
-    if key not in _PROGRAMS:
-        spec = make_spec(name, cfg, workload.mask)
-        start = time.perf_counter()
-        step = common.train_step(spec, workload.loss, mesh)
-        # One program per step kind the run takes, compiled before it (the calls then reuse them).
-        taken = [0] if spec.schedule is None else np.unique(spec.schedule.indices(cfg.steps))
-        compiled = {int(k): step.program(int(k)).lower(*args).compile() for k in taken}
-        axes = common.worker_axes(mesh)
-        evaluate = jax.jit(
-            ozo.on_workers(
-                lambda p, s, b: workload.eval_sums(ozo.synchronized_params(p, s), b), mesh, axes
-            )
-        )
-        evaluate = evaluate.lower(args[0], args[1], ozo.to_workers(workload.eval_batch, mesh, axes))
-        # The bytes of each kind depend on the shapes and the kinds, not on the learning rate:
-        # one traffic table per configuration without its rate.
-        traffic = _TRAFFIC.setdefault((dataclasses.replace(key[0], peak_lr=0.0), name), {})
-        _PROGRAMS[key] = (
-            spec,
-            step,
-            compiled.get(0),
-            evaluate.compile(),
-            time.perf_counter() - start,
-            traffic,
-        )
-    return _PROGRAMS[key]
-
-
-def across_nodes(traffic: common.KindTraffic, nodes: tuple[int, ...]) -> float:
-    """Bytes one worker sends across nodes in a step of this kind, on ``nodes = (S, L)``: what
-    a hierarchical program sends over axes other than ``local``; for a flat program, the share
-    ``(N-L)/(N-1)`` of its bytes that goes to the workers of other nodes (exact for the
-    all-to-all and all-gather of a 1-bit step, an estimate for a ring all-reduce)."""
-    per_axis = dict(traffic.per_axis)
-    if "node" in per_axis or "local" in per_axis:
-        return float(sum(v for axis, v in per_axis.items() if axis != "local"))
-    n = nodes[0] * nodes[1]
-    return traffic.sent_bytes * (n - nodes[1]) / (n - 1)
-
-
-def train(
-    name: str,
-    cfg: Config,
-    workload: workloads.Workload,
-    mesh: Any,
-    progress: bool = True,
-    nodes: tuple[int, ...] = (),
-) -> dict[str, Any]:
-    """Trains one optimizer; returns its curves, step kinds, traffic and timings (with
-    ``nodes = (S, L)``, also the bytes across nodes of that cluster: :func:`across_nodes`)."""
-    axes = common.worker_axes(mesh)
-    init = jax.jit(
-        ozo.on_workers(lambda p: make_spec(name, cfg, workload.mask).tx.init(p), mesh, axes)
-    )
-    params = ozo.replicate(workload.init_params(cfg.seed), NUM_WORKERS)
-    params = ozo.to_workers(params, mesh, axes)
-    state = init(params)
-    batch = ozo.to_workers(workload.train_batch(0), mesh, axes)
-    spec, step, compiled, evaluate, compile_s, traffic_cache = _programs(
-        cfg, name, workload, mesh, (params, state, batch)
-    )
-    eval_batch = ozo.to_workers(workload.eval_batch, mesh, axes)
-
-    def validate(params: Any, state: Any) -> dict[str, float]:
-        sums = {
-            k: np.asarray(v, np.float64).sum()
-            for k, v in evaluate(params, state, eval_batch).items()
-        }
-        return {k: float(v / sums["count"]) for k, v in sums.items() if k != "count"}
-
-    val_steps, val_metrics = [0], [validate(params, state)]
-    losses, kinds, step_s, eval_s = [], [], [], 0.0
-    bar = _progress(range(cfg.steps), name, progress)
-    for i in bar:
-        start = time.perf_counter()
-        batch = ozo.to_workers(workload.train_batch(i), mesh, axes)
-        params, state, loss, kind = common.run_step(step, params, state, batch)
-        losses.append(float(np.asarray(loss).mean()))
-        kinds.append(kind)  # the kind of the program that ran, chosen on the host
-        step_s.append(time.perf_counter() - start)
-        if (i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps:
-            start = time.perf_counter()
-            val_steps.append(i + 1)
-            val_metrics.append(validate(params, state))
-            eval_s += time.perf_counter() - start
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{val_metrics[-1]['loss']:.3f}")
-
-    if spec.schedule is not None and ozo.step_count(state) != cfg.steps:  # a step not applied
-        raise RuntimeError(f"{name}: the state took {ozo.step_count(state)} of {cfg.steps} steps")
-    start = time.perf_counter()
-    first = common.first_step_of_each_kind(kinds)
-    key = tuple(sorted(first.items()))
-    if key not in traffic_cache:
-        traffic_cache[key] = common.traffic_per_kind(
-            spec, workload.loss, mesh, first, (params, state, batch), compiled=compiled
-        )
-    traffic = traffic_cache[key]
-    account_s = time.perf_counter() - start
-    sent = np.cumsum(common.bytes_per_step(kinds, traffic))
-    counts = np.bincount(kinds, minlength=len(spec.kind_names))
-    train_s, step_s = float(np.sum(step_s)), np.asarray(step_s)
-    across = {}
-    if nodes:
-        cum = np.cumsum([across_nodes(traffic[k], nodes) for k in kinds])
-        across = {"bytes_across_nodes": [0.0 if s == 0 else float(cum[s - 1]) for s in val_steps]}
-    return {
-        "final_val": val_metrics[-1],
-        "bytes_per_worker": float(sent[-1]),
-        "bytes_per_worker_by_axes": {
-            axis: float(
-                sum(counts[k] * dict(t.per_axis).get(axis, 0.0) for k, t in traffic.items())
-            )
-            for axis in sorted({a for t in traffic.values() for a, _ in t.per_axis})
-        },
-        "rounds": int(sum(counts[k] for k, t in traffic.items() if t.launches > 0)),
-        "rounds_by_axes": {
-            axis: int(sum(counts[k] for k, t in traffic.items() if dict(t.per_axis).get(axis)))
-            for axis in sorted({a for t in traffic.values() for a, _ in t.per_axis})
-        },
-        "steps_per_kind": {spec.kind_names[k]: int(c) for k, c in enumerate(counts) if c},
-        "traffic_per_kind": {
-            t.name: {
-                "bytes_per_step": t.sent_bytes,
-                "launches_per_step": t.launches,
-                "collectives": list(t.collectives),
-            }
-            for t in traffic.values()
-        },
-        "seconds": {
-            "train": round(train_s, 2),
-            "per_step": round(train_s / cfg.steps, 4),
-            # Median wall time of a step of each kind (host batch, step, wait), this process.
-            "per_kind": {
-                spec.kind_names[k]: round(float(np.median(step_s[np.asarray(kinds) == k])), 5)
-                for k in range(len(spec.kind_names))
-                if counts[k]
-            },
-            "eval": round(eval_s, 2),
-            "compile": round(compile_s, 2),
-            "comm_accounting": round(account_s, 2),
-        },
-        "train_loss": [round(x, 5) for x in losses],
-        "val": {
-            "step": val_steps,
-            "bytes": [0.0 if s == 0 else float(sent[s - 1]) for s in val_steps],
-            **across,
-            **{k: [round(m[k], 5) for m in val_metrics] for k in val_metrics[0]},
-        },
-    }
-
-
-def _progress(steps: range, name: str, enabled: bool) -> Any:
-    if not enabled:
-        return steps
-    from tqdm import tqdm
-
-    return tqdm(steps, desc=f"{name:>14}", unit="step", file=sys.stderr, mininterval=1.0)
-
-
-def run(cfg: Config, progress: bool = True) -> dict[str, Any]:
+def run(cfg: training.Config, progress: bool = True) -> dict[str, Any]:
     """Trains every optimizer of ``cfg`` and returns the JSON-ready result (no files written)."""
-    common.setup_cpu_devices(NUM_WORKERS)
-    flat_mesh = ozo.worker_mesh(common.AXIS, NUM_WORKERS)
+    common.setup_cpu_devices(training.NUM_WORKERS)
+    flat_mesh = ozo.worker_mesh(common.AXIS, training.NUM_WORKERS)
     mesh = common.node_mesh(*cfg.mesh) if cfg.mesh else flat_mesh
-    workload = make_workload(cfg)
+    workload = training.make_workload(cfg)
     variance, local = cfg.policies()
     start, cpu = time.perf_counter(), time.process_time()
     nodes = cfg.mesh
-    runs = {name: train(name, cfg, workload, mesh, progress, nodes) for name in cfg.optimizers}
+    runs = {
+        name: training.train(name, cfg, workload, mesh, progress, nodes) for name in cfg.optimizers
+    }
     if cfg.mesh:  # the flat 8-worker run of the same configuration, for comparison
         flat = dataclasses.replace(cfg, mesh=())
-        runs["zero_one_adam_flat"] = train(
+        runs["zero_one_adam_flat"] = training.train(
             "zero_one_adam", flat, workload, flat_mesh, progress, nodes
         )
     result = {
         "benchmark": "convergence",
         "workload": workload.description,
-        "num_workers": NUM_WORKERS,
+        "num_workers": training.NUM_WORKERS,
         "mesh": {"node": cfg.mesh[0], "local": cfg.mesh[1]} if cfg.mesh else None,
         "config": {**dataclasses.asdict(cfg), "model": dict(cfg.model)},
         "policies": {
@@ -412,7 +118,7 @@ def run(cfg: Config, progress: bool = True) -> dict[str, Any]:
     return result
 
 
-def kind_steps(cfg: Config, kind: str) -> np.ndarray:
+def kind_steps(cfg: training.Config, kind: str) -> np.ndarray:
     """The 1-based steps of 0/1 Adam's ``kind`` in a run of ``cfg`` (from the policies alone,
     :func:`optax_zero_one.step_kinds`)."""
     variance, local = cfg.policies()
@@ -445,7 +151,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def project(cfg: Config, runs: dict[str, Any]) -> dict[str, Any]:
+def project(cfg: training.Config, runs: dict[str, Any]) -> dict[str, Any]:
     """0/1 Adam's byte reduction against 1-bit Adam for longer runs with the same proportions.
 
     Counts the step kinds of a ``T``-step run from the policies alone (as scaled by ``cfg``) and
@@ -521,7 +227,9 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
         ax.legend()
     mesh = result.get("mesh")
     shape = f" as {mesh['node']} nodes x {mesh['local']}" if mesh else ""
-    fig.suptitle(f"{NUM_WORKERS} workers{shape}: {result['workload'].split(';')[0]}", fontsize=9)
+    fig.suptitle(
+        f"{training.NUM_WORKERS} workers{shape}: {result['workload'].split(';')[0]}", fontsize=9
+    )
     common.save_figure(fig, path)
 
 
@@ -559,24 +267,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kappa", type=int, help="0/1 Adam's var_update_scaler")
     parser.add_argument("--lr", type=float, help="override the peak learning rate")
     parser.add_argument(
-        "--optimizers", nargs="+", choices=OPTIMIZERS + EXTRA + MESH_EXTRA, default=list(OPTIMIZERS)
+        "--optimizers",
+        nargs="+",
+        choices=training.OPTIMIZERS + training.EXTRA + training.MESH_EXTRA,
+        default=list(training.OPTIMIZERS),
     )
     parser.add_argument(
         "--mesh",
         help="NODESxLOCAL, e.g. 2x4: the compressing optimizers compress across nodes only "
         "(exact inside each); the flat 8-worker 0/1 Adam runs too, for comparison",
     )
-    parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    if args.long:
+    if args.long:  # the study's own options pass on; a single run's would be ignored there
+        single = ("workload", "steps", "seed", "kappa", "lr", "optimizers", "mesh")
+        given = [f"--{k}" for k in single if getattr(args, k) != parser.get_default(k)]
+        if given:
+            parser.error(f"--long (benchmarks.convergence_long) takes no {', '.join(given)}")
         from benchmarks import convergence_long
 
-        convergence_long.main(["--quick"] if args.quick else [])
+        forward = ["--quick"] * args.quick + ["--no-progress"] * args.no_progress
+        convergence_long.main([*forward, "--out-dir", str(args.out_dir)])
         return
 
-    common.setup_cpu_devices(NUM_WORKERS)
-    cfg = PRESETS[(args.workload, "quick" if args.quick else "full")]
+    common.setup_cpu_devices(training.NUM_WORKERS)
+    cfg = training.PRESETS[(args.workload, "quick" if args.quick else "full")]
     overrides = {"seed": args.seed, "optimizers": tuple(args.optimizers)}
     if args.steps:
         overrides["steps"] = args.steps
@@ -590,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--mesh must be NODESxLOCAL with 8 workers in all, got {args.mesh}")
     cfg = dataclasses.replace(cfg, **overrides)
     variance, local = cfg.policies()
-    print(make_workload(cfg).description)
+    print(training.make_workload(cfg).description)
     print(
         f"{cfg.steps} steps, peak lr {cfg.peak_lr:g}, b2 {cfg.b2}; policies: freeze step "
         f"{variance.freeze_step}, kappa {variance.update_scaler}, alpha {local.scaler}, "

@@ -45,19 +45,22 @@ subsampled: training loss in means over ``train_loss_block`` steps, validation l
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import pathlib
-import sys
-import time
-from typing import Any
+import os
 
-import numpy as np
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported; run() sets PJRT_NPROC
 
-import optax_zero_one as ozo
-from benchmarks import convergence
-from benchmarks.support import common
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import optax_zero_one as ozo  # noqa: E402
+from benchmarks.support import common, training  # noqa: E402
 
 OPTIMIZERS = ("adamw", "onebit_adam", "zero_one_adam", "onebit_grad_adam", "local_adam")
 LINKS = (("1 Gbit/s", 1.0), ("10 Gbit/s", 10.0))  # (name, Gbit/s) for the projection
@@ -68,7 +71,7 @@ LATENCY_US = 50.0  # per collective launch, an assumption (Ethernet-class, as co
 class Study:
     """The whole study: the sweep, then the long runs at each optimizer's best learning rate."""
 
-    base: convergence.Config = convergence.PRESETS[("char_lm", "full")]
+    base: training.Config = training.PRESETS[("char_lm", "full")]
     sweep_steps: int = 2000
     long_steps: int = 10_000
     lrs: tuple[float, ...] = (1e-3, 2e-3, 4e-3)
@@ -284,8 +287,8 @@ def run(
     study: Study, out: pathlib.Path, stem: str, resume: bool = False, progress: bool = True
 ) -> dict[str, Any]:
     """Runs (or resumes) the study; returns the JSON-ready result."""
-    common.setup_cpu_devices(convergence.NUM_WORKERS)
-    mesh = ozo.worker_mesh(common.AXIS, convergence.NUM_WORKERS)
+    common.setup_cpu_devices(training.NUM_WORKERS)
+    mesh = ozo.worker_mesh(common.AXIS, training.NUM_WORKERS)
     store = _Store(out / f"{stem}.partial.json", study, resume)
     workloads: dict[int, Any] = {}
     start, cpu = time.perf_counter(), time.process_time()
@@ -294,8 +297,8 @@ def run(
         key = _run_key(phase, name, value)
         if key not in store.runs:
             if cfg.seed not in workloads:
-                workloads[cfg.seed] = convergence.make_workload(cfg)
-            full = convergence.train(name, cfg, workloads[cfg.seed], mesh, progress)
+                workloads[cfg.seed] = training.make_workload(cfg)
+            full = training.train(name, cfg, workloads[cfg.seed], mesh, progress)
             store.save(key, _compact(full, study.train_loss_block))
             loss = store.runs[key]["final_val_loss"]
             print(f"{key}: final val loss {loss:.4f}", file=sys.stderr, flush=True)
@@ -317,13 +320,13 @@ def run(
 
     per_opt = aggregate(study, store.runs)
     variance, local = study.config("", study.long_steps, 0.0, 0, 1).policies()
-    workload = workloads.get(study.seeds[0]) or convergence.make_workload(
+    workload = workloads.get(study.seeds[0]) or training.make_workload(
         study.config("", study.long_steps, 0.0, study.seeds[0], 1)
     )
     return {
         "benchmark": "convergence_long",
         "workload": workload.description,
-        "num_workers": convergence.NUM_WORKERS,
+        "num_workers": training.NUM_WORKERS,
         "study": _settings(study),
         "policies_long": {
             "freeze_step": variance.freeze_step,
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a few-minute check, no claims")
     parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
     parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
-    parser.add_argument("--out-dir", type=pathlib.Path, default=convergence.RESULTS)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     study = dataclasses.replace(

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("PJRT_NPROC", "16")  # before JAX starts (simulated-device deadlock)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported; main() sets PJRT_NPROC
 
 import functools  # noqa: E402
 import resource  # noqa: E402
@@ -50,14 +49,14 @@ from jax import lax  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
 from benchmarks.support import common  # noqa: E402
-from optax_zero_one.collective import init_errors  # noqa: E402
-from optax_zero_one.flat import to_flat  # noqa: E402
+from optax_zero_one.core.collective import init_errors  # noqa: E402
+from optax_zero_one.core.flat import to_flat  # noqa: E402
 
 AXIS = "w"
 WORKERS = 8
 TREE = {"w": (256, 64), "b": (1000,), "odd": (7,), "scalar": ()}
 # The worker-major layout of TREE over the workers (the compressed mean works on flat buffers).
-LAYOUT = ozo.Layout.of({k: np.empty(s, np.float32) for k, s in TREE.items()}, WORKERS)
+LAYOUT = ozo.core.flat.Layout.of({k: np.empty(s, np.float32) for k, s in TREE.items()}, WORKERS)
 
 
 def rss_mib() -> float:
@@ -124,12 +123,12 @@ def compressed_mean_run(calls: int, report_every: int = 1000) -> dict:
             keep = jax.random.uniform(jax.random.fold_in(k_zero, len(z)), shape) > 0.05
             z[name] = jnp.where(keep, signal[name] + noise, 0.0)  # with exact zeros
         true_mean = lax.pmean(z, AXIS)  # for the figures only: not part of the method
-        out, errors, _ = ozo.compressed_mean(to_flat(z, LAYOUT), errors, AXIS)
+        out, errors, _ = ozo.core.collective.compressed_mean(to_flat(z, LAYOUT), errors, AXIS)
         drift = jax.tree.map(lambda d, o, m: d + (o - m), drift, out.to_tree(), true_mean)
         # the identity: drift = -(mean_i e_w,i + e_s), per element (row j of the worker-major
         # buffers: chunk j of every leaf; worker j serves row j and keeps its error e_s)
-        ew_mean = ozo.FlatTree(lax.pmean(errors.worker_error.buffer, AXIS), LAYOUT)
-        es_all = ozo.FlatTree(lax.all_gather(errors.server_error, AXIS), LAYOUT)
+        ew_mean = ozo.core.flat.FlatTree(lax.pmean(errors.worker_error.buffer, AXIS), LAYOUT)
+        es_all = ozo.core.flat.FlatTree(lax.all_gather(errors.server_error, AXIS), LAYOUT)
         gaps = [
             jnp.max(jnp.abs(d + w + s))
             for d, w, s in zip(*map(jax.tree.leaves, (drift, ew_mean.to_tree(), es_all.to_tree())))

@@ -7,19 +7,20 @@
 
 For each process count ``P`` it creates a private network namespace whose loopback is shaped
 with ``tc tbf`` (``benchmarks/support/netns.py``), starts ``P`` processes in it with
-``optax_zero_one.launch`` (one CPU device each, ``jax.distributed`` over 127.0.0.1, so every
-collective crosses the link), and runs ``benchmarks/jobs/network_worker.py`` there: at each rate, a
-timed window of each optimizer on the same model and batch, plus the no-communication limit
+``optax_zero_one.integration.launch`` (one CPU device each, ``jax.distributed`` over 127.0.0.1, so
+every collective crosses the link), and runs ``benchmarks/jobs/network_worker.py`` there: at each
+rate, a timed window of each optimizer on the same model and batch, plus the no-communication limit
 (each worker steps alone). The namespace is always removed, also on Ctrl-C or failure.
 
 Reported per ``P`` and rate: steps/s, speedup over AdamW and over 1-bit Adam, fraction of the
 no-communication limit, bytes per step counted on the link (``tx_bytes`` of the namespace's
-loopback) beside the bytes the compiled programs send (``optax_zero_one.parse_hlo``, times
-``P``: all processes share the one link). Tables on stdout and in ``results/network.md``, with
-``results/network.json`` and ``results/network.png`` (``--out``; the ``.md`` and ``.png`` beside
-it). Options the script does not know go to the worker (``--rounds``, ``--width``, ...; see
-``python -m benchmarks.jobs.network_worker --help``). Needs root and iproute2; says so and exits
-with status 2 otherwise.
+loopback) beside the bytes the compiled programs send
+(``benchmarks.support.common.traffic_per_kind``, times ``P``: all processes share the one link).
+Tables on stdout and in ``results/network.md``, with ``results/network.json`` and
+``results/network.png`` (``--out``; the ``.md`` and ``.png`` beside it). Options the script does
+not know go to the worker (``--rounds``, ``--width``, ``--steps-*``, ...; see ``python -m
+benchmarks.jobs.network_worker --help``; the window defaults follow ``--rates``). Needs root and
+iproute2; says so and exits with status 2 otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from typing import Any
 
 from benchmarks.support import common, netns
-from optax_zero_one.launch import launch
+from optax_zero_one.integration.launch import launch
 
 OPTIMIZERS = ("AdamW", "1-bit Adam", "0/1 Adam (phase B)", "no communication")
 SCHEDULE = "0/1 Adam (whole schedule)"
@@ -172,7 +173,9 @@ def plot(summary: dict[str, Any], path: Any) -> None:
 
     plt = common.pyplot()
     rows = summary["rows"]
-    groups = sorted({(r["processes"], r["rate"]) for r in rows}, key=lambda g: (g[0], _bits(g[1])))
+    groups = sorted(
+        {(r["processes"], r["rate"]) for r in rows}, key=lambda g: (g[0], netns.rate_bits(g[1]))
+    )
     names = list(OPTIMIZERS)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / len(names)
@@ -192,14 +195,6 @@ def plot(summary: dict[str, Any], path: Any) -> None:
     axes[1].legend(fontsize=8, loc="upper left")
     fig.suptitle("Throughput over a shaped loopback link (all processes share it), CPU")
     common.save_figure(fig, path, dpi=120)
-
-
-def _bits(rate: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * scale
-    return float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:

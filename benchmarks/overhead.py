@@ -1,6 +1,6 @@
 """Optimizer overhead on CPU: compile time and step time of 0/1 Adam and 1-bit Adam against Adam.
 
-``python -m benchmarks.overhead [--quick] [--params 4e6] [--leaves 100 10] [--repeats 7]``
+``python -m benchmarks.overhead [--quick] [--params 4e6] [--leaves 100 10] [--repeats 9]``
 
 Five measurements. All but the last run on one CPU device with the data-parallel workers
 simulated by ``jax.vmap(axis_name=...)`` (so the 1-bit compression, packing and unpacking really
@@ -365,7 +365,7 @@ def hlo_summary(compiled: Any) -> dict[str, Any]:
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
-def dispatcher_of(opt: Optimizer) -> ozo.KindDispatcher:
+def dispatcher_of(opt: Optimizer) -> ozo.integration.dispatch.KindDispatcher:
     """The vmapped, donating update of ``opt``, one program per kind chosen on the host."""
 
     def compile_kind(kind: ozo.StepKind) -> Callable[..., Any]:

@@ -4,9 +4,10 @@
 
 - Bytes: ``onebit_mean(collective="psum")``, ``onebit_mean(collective="two_phase")`` and a float32
   ``lax.pmean`` of the same transformer-like tree (~20 leaves per million elements) are compiled
-  (only; nothing is allocated) under ``jax.shard_map`` on N simulated CPU devices, and
-  ``optax_zero_one.comm_stats`` reads the collectives and the bytes each device sends per call
-  from the optimised HLO (ring all-reduce: ``2 S (N-1)/N`` for a payload of ``S`` bytes).
+  (only; nothing is allocated) under ``jax.shard_map`` on N simulated CPU devices, and the
+  collectives and the bytes each device sends per call are read from the optimised HLO
+  (``benchmarks.support.common.mean_comm_stats``; ring all-reduce: ``2 S (N-1)/N`` for a payload
+  of ``S`` bytes).
 - Accuracy: one call of each backend, from zero error buffers, on the same inputs (N workers
   under ``jax.vmap``): cosine similarity to the true mean and relative error
   ``||out - mean|| / ||mean||``, for two input families: ``signal+noise`` (every worker sees a
@@ -19,8 +20,8 @@ call against N; cosine to the true mean against N).
 
 import os
 
-os.environ.setdefault("PJRT_NPROC", "256")  # >= 2x the largest default N, before JAX starts
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+# PJRT_NPROC (2x the devices): set by main() from --workers, common.setup_cpu_devices
 
 import math  # noqa: E402
 import time  # noqa: E402
@@ -31,7 +32,7 @@ import numpy as np  # noqa: E402
 
 import optax_zero_one as ozo  # noqa: E402
 from benchmarks.support import common, model_trees  # noqa: E402
-from optax_zero_one import psum_mean  # noqa: E402
+from optax_zero_one.core import psum_mean  # noqa: E402
 
 AXIS = common.AXIS
 BACKENDS = ("psum", "two_phase")

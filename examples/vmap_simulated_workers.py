@@ -73,14 +73,15 @@ def bytes_per_step_kind(params, n):
 
     Float ring all-reduce: ``2 * 4 P (n-1)/n``. 1-bit mean: every leaf padded to a multiple of
     ``8 n`` elements and cut into ``n`` chunks, each rounded up to the layout's block
-    (``ozo.Layout``: 8 elements for small models); row ``j`` of the worker-major buffer (chunk
+    (``ozo.core.flat.Layout``: 8 elements for small models); row ``j`` of the worker-major buffer
+    (chunk
     ``j`` of every leaf, ``C`` = ``layout.width`` columns) goes to worker ``j``. One all-to-all
     and one all-gather, each sending ``n - 1`` rows of ``C/8`` bytes of signs plus a 4-byte
     scale per leaf.
     """
     leaves = jax.tree.leaves(params)
     numel = sum(leaf.size for leaf in leaves)
-    layout = ozo.Layout.of(params, n)
+    layout = ozo.core.flat.Layout.of(params, n)
     dense = 2 * 4 * numel * (n - 1) / n
     compressed = 2 * (n - 1) * (layout.width / 8 + 4 * len(leaves))
     return {"variance": dense, "compressed": compressed, "sync": compressed}

@@ -21,3 +21,64 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+# Test tiers (docs/testing.md). `make test-fast` runs what is neither slow nor integration: the
+# unit tests, for the edit loop (< 2 min). `make test` (CI) adds the integration tests; CI also
+# runs `make test-slow`. A whole file belongs to one tier, named here so that the tiers can be
+# read in one place; a single test can still carry its own `@pytest.mark.slow`.
+UNIT_FILES = {
+    "test_bad_input.py",
+    "test_comm_stats.py",
+    "test_compression.py",
+    "test_docs.py",
+    "test_doctests.py",
+    "test_layout.py",
+    "test_properties.py",
+    "test_reference.py",
+}
+# tests of unit files that run whole optimizers for many steps: integration
+INTEGRATION_TESTS = {
+    "test_properties.py::test_compressed_mean_properties",  # ~20 s of drawn examples
+    "test_bad_input.py::test_boolean_mask_is_the_same_as_a_float_one",
+    "test_docs.py::test_readme_composition_is_zero_one_adam",
+}
+# integration tests moved to `make test-slow` (still run by CI) to keep `make test` <= 10 min:
+# each repeats, at a larger size or under more mappings, what a faster test already checks
+SLOW_TESTS = {
+    "test_comm_volume.py::test_every_kind_at_a_larger_n_sends_what_the_formulas_say",
+    "test_collective.py::test_same_mean_under_every_mapping_and_on_every_worker",
+    "test_data_parallel.py::test_two_processes_train_as_one",
+    "test_deepspeed.py::test_zero_one_adam_keys_map_to_arguments",
+    "test_generic.py::test_inject_hyperparams",
+    "test_hierarchical.py::test_a_node_of_one_worker_is_the_flat_optimizer_bitwise",
+    "test_hierarchical.py::test_compiled_program_groups_and_bytes_over_the_slow_axis",
+    "test_hierarchical.py::test_data_parallel_with_a_pair_of_data_axes",
+    "test_hierarchical.py::test_resume_is_exact_and_a_checkpoint_moves_to_another_split",
+    "test_nonfinite.py::test_zero_one_adam_drops_a_bad_own_gradient_on_its_worker_only",
+    "test_optimizers.py::test_same_run_under_shard_map_pmap_vmap",
+    "test_psum_mean.py::test_errors_stay_bounded_over_thousands_of_calls",
+    "test_resume.py::test_killed_runs_resume_bitwise_identically",
+    "test_resume.py::test_other_worker_count_fails_clearly_then_resets_and_converges",
+    "test_step_kind_traffic.py::test_hinted_programs_hold_no_loop_and_no_conditional",
+    "test_step_kinds.py::test_dispatch_moves_back_after_a_step_every_worker_skipped",
+    "test_transforms.py::test_chain_with_clipping_runs_data_parallel_and_on_one_device",
+    "test_transforms.py::test_multisteps_accumulates_inside_the_mapped_function",
+    "test_workers.py::test_synchronized_params_identical_on_all_workers_between_syncs",
+}
+SLOW_FILES = {
+    "test_convergence.py",  # the convergence benchmark end to end (~2 min)
+    "test_long_run.py",
+    "test_notebook.py",  # the quickstart notebook top to bottom (~1 min)
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        name = item.path.name
+        test = f"{name}::{item.originalname}"
+        if name in SLOW_FILES or test in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+        elif name not in UNIT_FILES or test in INTEGRATION_TESTS:
+            item.add_marker(pytest.mark.integration)

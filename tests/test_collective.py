@@ -11,8 +11,8 @@ from support.mapping import AXIS, MODES, mapped
 from support.reference import CompressedMean
 
 import optax_zero_one as ozo
-from optax_zero_one.collective import init_errors
-from optax_zero_one.flat import Layout
+from optax_zero_one.core.collective import init_errors
+from optax_zero_one.core.flat import Layout
 
 SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
 

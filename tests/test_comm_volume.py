@@ -1,5 +1,9 @@
 """benchmarks.comm_volume on a tiny tree and a short run, against counts derived by hand.
 
+This file tests the script ``benchmarks/comm_volume.py`` itself (its accounting, classes,
+limits and projections), on purpose; the programs it counts are compiled and read by
+``benchmarks/support/common.py``, as in every benchmark.
+
 The schedule (kappa = 2, F = 41, alpha = 10, H = 4, 68 steps) is small enough to list: variance
 steps 1, 2, 4, 6, 8, 12, 16, 24, 32; syncs every step 42..51 (interval 1 for alpha = 10 steps),
 then every 2nd step to 60, then every 4th: 64, 68. The bytes of a float and of a 1-bit step are

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from support.reference import padded_size as ref_padded_size
 
-from optax_zero_one import compression, flat
+from optax_zero_one.core import compression, flat
 
 SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
 

@@ -1,5 +1,9 @@
 """The convergence benchmark end to end on a tiny model (a few steps), and its determinism.
 
+This file tests the script ``benchmarks/convergence.py`` itself (its ``run``, ``table`` and
+``write``), on purpose; the configuration and the training it runs come from
+``benchmarks/support/training.py``.
+
 The benchmark compiles each configuration's programs once per process; the reruns below reuse
 them, so what they check is that data, initialisation and execution are reproducible.
 """
@@ -18,12 +22,13 @@ if str(ROOT) not in sys.path:  # `pytest` without `python -m`
 
 import optax_zero_one as ozo  # noqa: E402
 from benchmarks import convergence as cv  # noqa: E402
+from benchmarks.support import training  # noqa: E402
 
-N = cv.NUM_WORKERS
+N = training.NUM_WORKERS
 # 32 steps: LR warm-up 8 steps; F = 16 with kappa = 8 (variance steps 1-8, 10, 12, 14, 16;
 # compressed 9, 11, 13, 15), then alpha = 4, H = 4: syncs at 17-20, 22, 24, 28, 32. (With
 # kappa = 4 the first compressed steps, at initialisation, made this tiny model diverge.)
-TINY = cv.Config(
+TINY = training.Config(
     model=(
         ("dim", 32),
         ("layers", 1),
@@ -78,7 +83,7 @@ def test_end_to_end_loss_falls_and_json_has_the_documented_fields(result, tmp_pa
         "wall_seconds",
         "cpu_seconds",
     }
-    assert data["num_workers"] == N and list(data["runs"]) == list(cv.OPTIMIZERS)
+    assert data["num_workers"] == N and list(data["runs"]) == list(training.OPTIMIZERS)
     assert data["policies"]["variance_steps"] == [*range(1, 9), 10, 12, 14, 16]
     for name, run in data["runs"].items():
         assert set(run) == RUN_FIELDS, name
@@ -98,15 +103,15 @@ def test_end_to_end_loss_falls_and_json_has_the_documented_fields(result, tmp_pa
         assert run["val"]["bytes"][-1] == pytest.approx(total)
         assert run["val"]["bytes"] == sorted(run["val"]["bytes"])
 
-    adamw, onebit, zero_one = (data["runs"][k] for k in cv.OPTIMIZERS)
-    num_params = cv.make_workload(TINY).num_params
+    adamw, onebit, zero_one = (data["runs"][k] for k in training.OPTIMIZERS)
+    num_params = training.make_workload(TINY).num_params
     ring = 2 * 4 * num_params * (N - 1) / N  # float32 ring all-reduce of every parameter
     assert adamw["steps_per_kind"] == {"all-reduce": TINY.steps}
     assert adamw["traffic_per_kind"]["all-reduce"]["bytes_per_step"] == pytest.approx(ring)
     assert onebit["steps_per_kind"] == {"warmup": 16, "compressed": 16}
     assert zero_one["steps_per_kind"] == {"variance": 12, "compressed": 4, "local": 8, "sync": 8}
     # the optimizers average their flat buffer: each leaf padded to a multiple of N lcm(N, 8)
-    layout = ozo.Layout.of(cv.make_workload(TINY).init_params(0), N)
+    layout = ozo.core.flat.Layout.of(training.make_workload(TINY).init_params(0), N)
     padded_ring = 2 * 4 * N * layout.width * (N - 1) / N
     assert ring <= padded_ring <= 1.1 * ring
     for run, kind in ((onebit, "warmup"), (zero_one, "variance")):
@@ -135,7 +140,7 @@ def test_end_to_end_loss_falls_and_json_has_the_documented_fields(result, tmp_pa
 
 def test_same_seed_same_losses_other_seed_other_losses(result):
     again = cv.run(TINY, progress=False)
-    for name in cv.OPTIMIZERS:
+    for name in training.OPTIMIZERS:
         assert again["runs"][name]["train_loss"] == result["runs"][name]["train_loss"], name
         assert again["runs"][name]["val"] == result["runs"][name]["val"], name
     other = cv.run(dataclasses.replace(TINY, seed=1, optimizers=("zero_one_adam",)), False)

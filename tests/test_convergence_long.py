@@ -1,5 +1,8 @@
 """The long convergence study end to end on a tiny model: the protocol (sweep, best learning
-rate, seeds), the statistics and the traffic, checked against independent recomputations."""
+rate, seeds), the statistics and the traffic, checked against independent recomputations.
+
+This file tests the script ``benchmarks/convergence_long.py`` itself, on purpose; the training
+it calls is ``benchmarks/support/training.py``'s."""
 
 import dataclasses
 import json
@@ -9,8 +12,8 @@ import pytest
 from test_convergence import TINY
 
 import optax_zero_one as ozo
-from benchmarks import convergence as cv
 from benchmarks import convergence_long as cl
+from benchmarks.support import training
 
 # The tiny model and schedule of test_convergence.py. The sweep and the long runs have one
 # length, so that the long runs reuse the sweep's compiled programs (one per optimizer and
@@ -119,7 +122,9 @@ def test_resume_runs_only_what_is_missing(study, tmp_path, monkeypatch):
     }
     partial = tmp_path / "x.partial.json"
     partial.write_text(json.dumps({"settings": cl._settings(small), "runs": saved}))
-    monkeypatch.setattr(cv, "train", lambda *a, **k: pytest.fail("resumed study trained again"))
+    monkeypatch.setattr(
+        training, "train", lambda *a, **k: pytest.fail("resumed study trained again")
+    )
     again = cl.run(small, tmp_path, "x", resume=True, progress=False)
     assert (
         again["optimizers"]["adamw"]["final_val_loss_mean"]

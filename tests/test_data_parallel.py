@@ -84,7 +84,9 @@ def test_two_d_mesh_compresses_over_data_only_and_never_gathers_a_model_shard(tw
     model = [c for c in stats.collectives if c.group_size == 2]
     assert sum(c.payload_bytes for c in model) <= 4 * 8 * 4 + 8  # activations (8 x 4) + flags
     # the float mean on variance steps carries this device's shards only: w1, w2 halved, b
-    layout = ozo.Layout.of({"w1": np.zeros((16, 16)), "w2": np.zeros((16, 4)), "b": np.zeros(4)}, N)
+    layout = ozo.core.flat.Layout.of(
+        {"w1": np.zeros((16, 16)), "w2": np.zeros((16, 4)), "b": np.zeros(4)}, N
+    )
     floats = [c for c in stats.collectives if c.group_size == N and c.dtypes == ("f32",)]
     assert [c.payload_bytes for c in floats] == [4 * N * layout.width]
 
@@ -234,7 +236,14 @@ def test_two_processes_train_as_one(tmp_path):
     evaluation params up to the float all-reduce's summation order, identical on both
     processes."""
     tests = pathlib.Path(__file__).resolve().parent
-    launch = ["-m", "optax_zero_one.launch", "--processes", "2", "--devices-per-process", "4"]
+    launch = [
+        "-m",
+        "optax_zero_one.integration.launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "4",
+    ]
     proc = subprocess.Popen(
         [sys.executable, *launch, "--timeout", "250", "--"]
         + ["support.jobs.data_parallel_worker", "--out", str(tmp_path)],

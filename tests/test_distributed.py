@@ -50,4 +50,4 @@ def test_on_workers_binds_the_axis_and_unreplicate_reads_one_worker():
 def test_initialize_from_env_without_the_launcher_is_one_process(monkeypatch):
     monkeypatch.delenv("OZO_COORDINATOR", raising=False)
     job = ozo.initialize_from_env()
-    assert job == ozo.DistributedJob(0, 1, jax.local_device_count())
+    assert job == ozo.integration.distributed.DistributedJob(0, 1, jax.local_device_count())

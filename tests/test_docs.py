@@ -43,7 +43,7 @@ def test_readme_is_a_front_page():
     text = (ROOT / "README.md").read_text()
     assert len(text) <= 10_000, len(text)
     assert "make demo" in text and "make test" in text
-    assert "predates" not in text and "before this round" not in text  # history is in CHANGELOG
+    assert "](docs/" in text  # it links to the docs rather than holding them
 
 
 def _layout_block():
@@ -53,20 +53,51 @@ def _layout_block():
 
 
 def test_readme_layout_lists_the_repository():
+    """Every path the layout block names exists (nesting by indentation), and every module of
+    the package is listed in it."""
     block = _layout_block()
-    parent = ROOT
+    parents: list[tuple[int, Path]] = []  # (indentation, folder) of the enclosing entries
     for line in block.splitlines():
-        match = re.match(r"(\s*)([A-Za-z0-9_.-]+(?:\.py|\.md|/))", line)
+        match = re.match(r"(\s*)([A-Za-z0-9_.-]+(?:\.py|\.md|/))((?:, [A-Za-z0-9_.-]+\.py)*)", line)
         if not match:
             continue
-        indented, entry = match.groups()
-        path = (parent if indented else ROOT) / entry
-        assert path.exists(), f"README layout names {path.relative_to(ROOT)}, which does not exist"
-        if not indented and entry.endswith("/"):
-            parent = path
-    modules = {p.name for p in (ROOT / "optax_zero_one").glob("*.py") if p.name != "__init__.py"}
+        indent, entry, more = len(match.group(1)), match.group(2), match.group(3)
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        parent = parents[-1][1] if parents else ROOT
+        for name in [entry, *re.findall(r"[A-Za-z0-9_.-]+\.py", more)]:
+            path = parent / name
+            assert path.exists(), f"README layout names {path.relative_to(ROOT)}: no such path"
+        if entry.endswith("/"):
+            parents.append((indent, parent / entry))
+    package = ROOT / "optax_zero_one"
+    modules = {p.name for p in package.rglob("*.py") if p.name != "__init__.py"}
     unlisted = sorted(m for m in modules if m not in block)
     assert not unlisted, f"modules missing from the README layout: {unlisted}"
+
+
+def _overhead_state_table() -> dict[str, tuple[str, str]]:
+    """The state table of the overhead page: optimizer -> (bytes at N = 2, bytes at N = 64)."""
+    page = (ROOT / "docs/benchmarks/overhead.md").read_text()
+    table = page[page.index("State bytes per parameter") :]
+    rows = re.findall(
+        r"^\| (0/1 Adam|1-bit Adam|optax.adam) \| ([\d.]+) \| ([\d.]+) \|", table, re.M
+    )
+    return {name: (n2, n64) for name, n2, n64 in rows}
+
+
+def test_state_size_is_quoted_as_measured():
+    """The state size quoted in the README and the design page is the overhead page's figure
+    (three pages once gave three different numbers)."""
+    n2, n64 = _overhead_state_table()["0/1 Adam"]
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "optimizer state per parameter" in line)
+    assert f"{float(n2):.1f} B at N = 2" in row and f"{n64} B at N = 64" in row, row
+    design = (ROOT / "docs" / "design.md").read_text()
+    quoted = re.findall(
+        r"state: ([\d.]+) bytes per parameter at `N = 2`, ([\d.]+) at `N = 64`", design
+    )
+    assert quoted == [(f"{float(n2):.1f}", n64)], quoted
 
 
 @pytest.mark.parametrize("page", sorted((ROOT / "docs").rglob("*.md")), ids=lambda p: p.name)

@@ -16,7 +16,7 @@ from support import mapping
 from support.reference import HierarchicalMean
 
 import optax_zero_one as ozo
-from optax_zero_one.flat import Layout
+from optax_zero_one.core.flat import Layout
 
 SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
 AXES = ("node", "local")

@@ -1,5 +1,5 @@
-"""optax_zero_one.launch stops the whole job and reports when a process fails or the port is
-taken."""
+"""optax_zero_one.integration.launch stops the whole job and reports when a process fails or the
+port is taken."""
 
 import os
 import socket
@@ -13,7 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_failing_process_stops_the_job_and_its_error_is_shown():
     env = dict(os.environ, PJRT_NPROC="2", PYTHONPATH=str(ROOT / "tests"))
-    cmd = [sys.executable, "-m", "optax_zero_one.launch", "--processes", "2", "--timeout", "200"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "optax_zero_one.integration.launch",
+        "--processes",
+        "2",
+        "--timeout",
+        "200",
+    ]
     started = time.monotonic()
     result = subprocess.run(
         [*cmd, "--", "support.jobs.launch_failing_worker"],
@@ -39,7 +47,15 @@ def test_a_taken_port_is_reported_before_anything_starts():
         s.listen()
         port = s.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "optax_zero_one.launch", "--processes", "2", "--port", str(port)]
+            [
+                sys.executable,
+                "-m",
+                "optax_zero_one.integration.launch",
+                "--processes",
+                "2",
+                "--port",
+                str(port),
+            ]
             + ["--", "no_such_module"],
             cwd=ROOT,
             capture_output=True,

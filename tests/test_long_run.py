@@ -1,5 +1,7 @@
 """Long runs (slow; ``make test-slow``): bounded error buffers, flat memory, no drift.
 
+This file tests the script ``benchmarks/long_run.py`` itself, end to end and on purpose.
+
 Runs ``benchmarks/long_run.py`` at full length (20,000 compressed-mean calls, 5,000 steps of 0/1
 Adam on 8 simulated workers; about 10 minutes on two cores) and asserts what its figures show.
 """

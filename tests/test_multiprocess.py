@@ -1,9 +1,10 @@
 """0/1 Adam across processes (jax.distributed, gloo on CPU) against one process.
 
-``benchmarks/jobs/multiprocess_train.py`` trains a small MLP for 40 steps through variance,
+``support/jobs/multiprocess_train.py`` trains a small MLP for 40 steps through variance,
 compressed, local and sync steps and saves params and optimizer state after every step. It runs
-on 2 processes x 2 devices (through ``optax_zero_one.launch``) and on 1 process x 4 devices
-(JAX's in-process collectives), at the same time, in subprocesses.
+on 2 processes x 2 devices (through ``optax_zero_one.integration.launch``) and on 1 process x 4
+devices (JAX's in-process collectives), at the same time, in subprocesses started from
+``tests/``.
 
 - ``exact`` mode (gradients on a grid where any float summation order is exact): every leaf of
   params and state, on every worker, after every step, is bitwise identical. The byte
@@ -22,23 +23,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent  # the job runs as python -m support.jobs.NAME from here
 STEPS = 40
 KINDS = ("variance", "compressed", "local", "sync")
 
 
 def _start(out: Path, processes: int, devices: int) -> subprocess.Popen:
     env = dict(os.environ, PJRT_NPROC=str(2 * devices), JAX_PLATFORMS="cpu")
-    train = ["benchmarks.jobs.multiprocess_train", "--out", str(out), "--steps", str(STEPS)]
+    train = ["support.jobs.multiprocess_train", "--out", str(out), "--steps", str(STEPS)]
     if processes == 1:  # the plain single-process reference, no jax.distributed
         env["JAX_NUM_CPU_DEVICES"] = str(devices)
         cmd = [sys.executable, "-m", *train]
     else:
-        launch = ["optax_zero_one.launch", "--processes", str(processes)]
+        launch = ["optax_zero_one.integration.launch", "--processes", str(processes)]
         launch += ["--devices-per-process", str(devices), "--timeout", "280", "--"]
         cmd = [sys.executable, "-m", *launch, *train]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 

@@ -161,7 +161,10 @@ def test_onebit_adam_skips_the_warm_up_together(bad_value):
     (x0, s0), (x1, s1) = hist[bad_step - 1], hist[bad_step]
     for a, b in zip(jax.tree.leaves((x0, buffers(s0))), jax.tree.leaves((x1, buffers(s1)))):
         np.testing.assert_array_equal(a, b)
-    skip0, skip1 = find(s0, ozo.SkipNotFiniteState), find(s1, ozo.SkipNotFiniteState)
+    skip0, skip1 = (
+        find(s0, ozo.core.wrappers.SkipNotFiniteState),
+        find(s1, ozo.core.wrappers.SkipNotFiniteState),
+    )
     np.testing.assert_array_equal(skip1.skipped_updates, skip0.skipped_updates + 1)
     np.testing.assert_array_equal(
         find(s1, ozo.FrozenVarianceAdamState).count, find(s0, ozo.FrozenVarianceAdamState).count
@@ -179,7 +182,7 @@ def test_onebit_adam_drops_a_bad_gradient_after_the_warm_up(bad_value):
     adam = find(s1, ozo.FrozenVarianceAdamState)
     dropped = np.asarray(adam.dropped_grads)
     assert dropped[BAD_WORKER] == 1 and dropped.sum() == 1
-    assert np.all(np.asarray(find(s1, ozo.SkipNotFiniteState).skipped_updates) == 0)
+    assert np.all(np.asarray(find(s1, ozo.core.wrappers.SkipNotFiniteState).skipped_updates) == 0)
     for x, s in hist:
         assert all_finite((x, s))
         for leaf in x:  # 1-bit Adam's workers stay identical at every step

@@ -198,10 +198,12 @@ def test_exact_schedule_from_the_spec():
     assert set(steps("compressed")) == set(range(1, 42)) - set(steps("variance"))
     assert steps("local") == [53, 55, 57, 59, 61, 62, 63, 65, 66, 67]
     # the policies alone give the same schedule, with no optimizer involved
-    assert list(ozo.variance_steps(variance, 68)) == steps("variance")
-    assert list(ozo.sync_steps(local, 41, 68)) == steps("sync")
-    assert list(ozo.variance_steps(variance, 68)) == reference.variance_steps(41, 2, 68)
-    assert list(ozo.sync_steps(local, 41, 68)) == reference.sync_steps(41, 10, 4, 68)
+    assert list(ozo.core.policies.variance_steps(variance, 68)) == steps("variance")
+    assert list(ozo.core.policies.sync_steps(local, 41, 68)) == steps("sync")
+    assert list(ozo.core.policies.variance_steps(variance, 68)) == reference.variance_steps(
+        41, 2, 68
+    )
+    assert list(ozo.core.policies.sync_steps(local, 41, 68)) == reference.sync_steps(41, 10, 4, 68)
 
 
 def adam_no_bias_correction(params, grads_seq, lr, wd, b1=0.9, b2=0.999, eps=1e-8):

@@ -28,8 +28,8 @@ from support.kinds import kind_index
 from support.mapping import AXIS
 
 import optax_zero_one as ozo
-from optax_zero_one.collective import init_errors
-from optax_zero_one.flat import Layout, to_flat
+from optax_zero_one.core.collective import init_errors
+from optax_zero_one.core.flat import Layout, to_flat
 
 CALLS = 24
 EPS32 = float(np.finfo(np.float32).eps)
@@ -92,7 +92,7 @@ def run_compressed_mean(inputs, num_workers):
 
     def worker(z):  # z: list of (CALLS, *shape), this worker's inputs
         def call(errors, zt):
-            out, errors, _ = ozo.compressed_mean(to_flat(zt, layout), errors, AXIS)
+            out, errors, _ = ozo.core.collective.compressed_mean(to_flat(zt, layout), errors, AXIS)
             return errors, (out.to_tree(), errors)
 
         _, (outs, errors) = lax.scan(call, init_errors(layout), z)
@@ -187,7 +187,7 @@ def test_policies_alone(s, num_steps):
     local = ozo.LocalStepDoubling(s["alpha"], s["clipper"])
     var_walk, _ = walk(variance, variance.is_update_step, 1, min(num_steps, s["freeze"]))
     var_steps = [k for k, (_, fired) in enumerate(var_walk, start=1) if fired]
-    assert list(ozo.variance_steps(variance, num_steps)) == var_steps
+    assert list(ozo.core.policies.variance_steps(variance, num_steps)) == var_steps
     assert all(1 <= k <= s["freeze"] for k in var_steps)
     gaps = np.diff([0, *var_steps])
     assert np.all(gaps[1:] >= gaps[:-1])  # gaps never shrink
@@ -200,7 +200,7 @@ def test_policies_alone(s, num_steps):
 
     sync_walk, _ = walk(local, local.is_sync_step, s["freeze"] + 1, num_steps)
     syncs = [s["freeze"] + i for i, (_, fired) in enumerate(sync_walk, start=1) if fired]
-    assert list(ozo.sync_steps(local, s["freeze"], num_steps)) == syncs
+    assert list(ozo.core.policies.sync_steps(local, s["freeze"], num_steps)) == syncs
     intervals = [state.interval for state, _ in sync_walk]
     assert all(1 <= i <= s["clipper"] for i in intervals)  # never above the clipper
     assert all(b >= a for a, b in zip(intervals, intervals[1:]))
@@ -293,8 +293,8 @@ def test_zero_one_adam_follows_its_policies(s, seed):
     variance = ozo.VarianceDoubling(s["freeze"], s["kappa"])
     local = ozo.LocalStepDoubling(s["alpha"], s["clipper"])
     steps_of = lambda name: [k for k, kind in enumerate(kinds, start=1) if kind == name]
-    assert steps_of("variance") == list(ozo.variance_steps(variance, STEPS))
-    assert steps_of("sync") == list(ozo.sync_steps(local, s["freeze"], STEPS))
+    assert steps_of("variance") == list(ozo.core.policies.variance_steps(variance, STEPS))
+    assert steps_of("sync") == list(ozo.core.policies.sync_steps(local, s["freeze"], STEPS))
     assert all(kind in ("variance", "compressed") for kind in kinds[: s["freeze"]])
 
     # v changes only on variance steps, and never after the freeze

@@ -19,9 +19,9 @@ from support.mapping import AXIS, MODES, mapped
 from support.reference import PsumReference
 
 import optax_zero_one as ozo
-from optax_zero_one import psum_mean
-from optax_zero_one.collective import OnebitMeanState, compressed_mean, init_errors
-from optax_zero_one.flat import FlatTree, Layout, to_flat
+from optax_zero_one.core import psum_mean
+from optax_zero_one.core.collective import OnebitMeanState, compressed_mean, init_errors
+from optax_zero_one.core.flat import FlatTree, Layout, to_flat
 
 SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
 

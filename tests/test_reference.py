@@ -1,4 +1,4 @@
-"""Tests of the NumPy reference (``tests/reference.py``) against facts derivable by hand."""
+"""Tests of the NumPy reference (``tests/support/reference.py``) against facts derivable by hand."""
 
 from __future__ import annotations
 

@@ -193,11 +193,11 @@ def test_worker_count_and_reset_errors():
     ozo.check_worker_count(jax.eval_shape(lambda: state), 4)  # shapes alone
     ozo.check_worker_count({}, 3)  # nothing to check
     with pytest.raises(ValueError, match="disagree"):
-        ozo.worker_count({"a": jnp.zeros((4, 2)), "b": jnp.zeros((3,))})
+        ozo.integration.checkpoint.worker_count({"a": jnp.zeros((4, 2)), "b": jnp.zeros((3,))})
     with pytest.raises(ValueError, match="scalar"):
-        ozo.worker_count({"a": jnp.zeros(())})
+        ozo.integration.checkpoint.worker_count({"a": jnp.zeros(())})
     with pytest.raises(ValueError, match="no arrays"):
-        ozo.worker_count({"a": None})
+        ozo.integration.checkpoint.worker_count({"a": None})
     other = ozo.replicate(ozo.onebit_adam(0.1, axis_name="w", num_workers=2).init(params), 2)
     with pytest.raises(ValueError, match="same optimizer"):
         ozo.reset_compression(ozo.replicate(params, 4), state, other)
@@ -210,7 +210,7 @@ def test_worker_count_and_reset_errors():
         2,
     )
     new_params, new = ozo.reset_compression(ozo.replicate(params, 4), old, fresh)
-    assert ozo.worker_count((new_params, new)) == 2
+    assert ozo.integration.checkpoint.worker_count((new_params, new)) == 2
     buffer = new[0].worker_error.buffer  # laid out for 2 workers: (2 workers, 2 rows, 8)
     assert new[0].worker_error.layout.num_workers == 2
     assert buffer.shape == (2, 2, 8) and not np.any(buffer)

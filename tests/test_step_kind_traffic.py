@@ -69,14 +69,16 @@ def test_the_schedule_gives_the_intended_kinds():
     ]  # fmt: skip
     assert ZERO_ONE_SCHEDULE.indices(13).tolist() == ozo.step_kinds(VARIANCE, LOCAL, 13).tolist()
     onebit = ozo.onebit_schedule(ONEBIT_FREEZE)
-    assert onebit.indices(12).tolist() == ozo.onebit_step_kinds(ONEBIT_FREEZE, 12).tolist()
+    assert (
+        onebit.indices(12).tolist() == ozo.core.kinds.onebit_step_kinds(ONEBIT_FREEZE, 12).tolist()
+    )
 
 
 def assert_float_allreduce(stats):
     assert stats.count() == 1 and stats.count("all-reduce") == 1, stats.table()
     (c,) = stats.collectives
     # the flat buffer: every element, plus each leaf's padding to a multiple of 8 N
-    layout = ozo.Layout.of([jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES], N)
+    layout = ozo.core.flat.Layout.of([jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES], N)
     assert c.dtypes == ("f32",) and c.payload_bytes == 4 * N * layout.width and not c.conditional
     assert 4 * NUMEL <= c.payload_bytes <= 1.05 * 4 * NUMEL
 

@@ -12,7 +12,7 @@ import pytest
 from support.kinds import kind_index
 
 import optax_zero_one as ozo
-from optax_zero_one import _graph
+from optax_zero_one.core import _graph
 
 N = 4
 AXIS = "w"

@@ -49,7 +49,7 @@ def test_frozen_variance_adam_alone_matches_reference(flat):
     )
     for g in grads:
         x, state = step(x, state, [jnp.asarray(a, jnp.float32) for a in g])
-    variance = set(ozo.variance_steps(policy, 30).tolist())
+    variance = set(ozo.core.policies.variance_steps(policy, 30).tolist())
     assert variance == {1, 2, 4, 6, 8, 12}
     ref_x, ref_m, ref_v = _frozen_adam_reference(x0, grads, lr, 0.9, 0.99, 1e-8, variance, 12)
     inner = [
@@ -97,7 +97,7 @@ def test_local_sgd_with_onebit_averaging():
     x = jnp.zeros((n, 16))
     state = mapped(tx.init, "vmap", n)(x)
     run = mapped(step, "vmap", n)
-    syncs = set(ozo.sync_steps(policy, 0, steps).tolist())
+    syncs = set(ozo.core.policies.sync_steps(policy, 0, steps).tolist())
     assert len(syncs) < steps  # local steps happen
     start = float(jnp.mean((x - targets.mean(0)) ** 2))
     for k in range(1, steps + 1):

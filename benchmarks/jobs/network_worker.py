@@ -1,8 +1,9 @@
 """One process of ``benchmarks.network``: training throughput over the shaped link it runs on.
 
-Started by ``benchmarks.network`` through ``optax_zero_one.launch`` inside a network namespace
-(one device per process, so every collective crosses the link). Process 0 sets each rate with
-``tc`` and reads the link's byte counter around every measured window; it writes one JSON file.
+Started by ``benchmarks.network`` through ``optax_zero_one.integration.launch`` inside a network
+namespace (one device per process, so every collective crosses the link). Process 0 sets each
+rate with ``tc`` and reads the link's byte counter around every measured window; it writes one
+JSON file.
 
 The model is an MLP of ``depth`` square ``width x width`` layers (default 4 x 512 x 512, 1.05M
 parameters) on a fixed batch per worker; every optimizer runs the same model, batch and
@@ -69,7 +70,7 @@ ORDER = ("no communication", "0/1 Adam (phase B)", "1-bit Adam", "AdamW")
 # The kinds each optimizer's first m steps take, from its policies.
 KINDS_OF: dict[str, Callable[[int], np.ndarray]] = {
     "AdamW": lambda m: np.zeros(m, np.int8),
-    "1-bit Adam": lambda m: ozo.onebit_step_kinds(1, m),
+    "1-bit Adam": lambda m: ozo.core.kinds.onebit_step_kinds(1, m),
     "0/1 Adam (phase B)": lambda m: ozo.step_kinds(*PHASE_B, m),
     "no communication": lambda m: np.zeros(m, np.int8),
     SCHEDULE: lambda m: ozo.step_kinds(*WHOLE, m),
@@ -78,14 +79,18 @@ KINDS_OF: dict[str, Callable[[int], np.ndarray]] = {
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, dict[str, int]]]:
     """The options, and the steps per timed window of each optimizer at each rate."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.argument_parser("benchmarks.jobs.network_worker", __doc__)
     parser.add_argument("--out", required=True, help="JSON file (written by process 0)")
     parser.add_argument("--rates", default="1gbit,100mbit", help="tc rates, in measuring order")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per rate")
-    parser.add_argument("--steps-adamw", default="2,1", help="steps per round, per rate or one")
+    parser.add_argument(
+        "--steps-adamw",
+        default=None,
+        help="steps per round, per rate or one (default: 2 at 1gbit and faster, 1 below)",
+    )
     parser.add_argument("--steps-onebit", default="8")
     parser.add_argument("--steps-zero-one", default="16", help="multiples of 16")
     parser.add_argument("--steps-nocomm", default="8")
@@ -101,8 +106,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, di
             parser.error(f"need one window length or one per rate, got {text!r}")
         return dict(zip(rates, values))
 
+    # AdamW's default window follows --rates: its float steps are slow on a slow link
+    adamw = opts.steps_adamw or ",".join("2" if netns.rate_bits(r) >= 1e9 else "1" for r in rates)
     windows = {
-        "AdamW": per_rate(opts.steps_adamw),
+        "AdamW": per_rate(adamw),
         "1-bit Adam": per_rate(opts.steps_onebit),
         "0/1 Adam (phase B)": per_rate(opts.steps_zero_one),
         "no communication": per_rate(opts.steps_nocomm),
@@ -408,7 +415,11 @@ def _policies(policies: tuple[ozo.VarianceDoubling, ozo.LocalStepDoubling]) -> d
 
 
 def summary(
-    job: ozo.DistributedJob, opts: Any, problem: Problem, runs: dict, results: list
+    job: ozo.integration.distributed.DistributedJob,
+    opts: Any,
+    problem: Problem,
+    runs: dict,
+    results: list,
 ) -> dict:
     """What process 0 writes: the setup, compile times, traffic per kind and the results."""
     return dict(

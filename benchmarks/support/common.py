@@ -3,19 +3,25 @@
 
 Simulated devices on a small CPU machine need two things (``docs/testing.md``): ``PJRT_NPROC``
 at least twice the device count, set before JAX first uses its backend, and a loop that waits
-for every step (:func:`run_step` does). A benchmark module sets the environment variables at its
-very top, before anything imports JAX, and calls :func:`setup_cpu_devices` in ``main``::
+for every step (:func:`run_step` does). A benchmark module sets ``JAX_PLATFORMS`` at its very
+top (JAX reads it when it is imported) and calls :func:`setup_cpu_devices` in ``main`` with the
+device count its options ask for, which sets ``PJRT_NPROC`` from that count (importing JAX does
+not start its backend; a fixed ``PJRT_NPROC`` at the top would fit the default options only)::
 
     import os
-    os.environ.setdefault("PJRT_NPROC", "16")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 The worker layout (a leading worker axis sharded over a 1-D mesh on :data:`AXIS`) comes from the
 library: ``ozo.worker_mesh``, ``ozo.to_workers``, ``ozo.on_workers``.
 
-Communication is measured, not estimated: for every step kind an optimizer can take, the whole
-training step is compiled for that kind (``step_kind=``, a static hint), so the program holds that
-kind alone, and :func:`optax_zero_one.parse_hlo` reads the collectives out of the optimised HLO.
+Communication is measured, not estimated, and always the same way: :func:`comm_stats_on_workers`
+compiles a function over the worker mesh (compile only) and :func:`comm_stats_of_compiled` reads
+the collectives out of the optimised HLO (with
+:func:`optax_zero_one.integration.comm_stats.parse_hlo`). Every script that counts collectives
+goes through these two: :func:`traffic_per_kind` (the whole training step, once per step kind,
+for the kind alone through the ``step_kind=`` hint), :func:`update_comm_stats` (one optimizer
+update, ``benchmarks.comm_volume``) and :func:`mean_comm_stats` (one call of a mean,
+``benchmarks.comm_report`` and ``benchmarks.psum_report``).
 Training runs the same programs: :func:`train_step` compiles one per kind and picks each step's on
 the host (:func:`optax_zero_one.dispatch_by_kind`). Bytes per worker of a run = sum over steps of
 the bytes of the kind each step took.
@@ -43,6 +49,7 @@ import optax_zero_one as ozo
 
 AXIS = "w"
 NODE_AXES = ("node", "local")  # a two-level mesh: nodes, and workers inside a node
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "results"  # the repository's results/
 
 
 def worker_axes(mesh: jax.sharding.Mesh) -> str | tuple[str, ...]:
@@ -130,9 +137,33 @@ def zero_one_spec(
 
 
 def onebit_spec(name: str, tx: optax.GradientTransformation, freeze_step: int) -> OptimizerSpec:
-    """1-bit Adam's step kinds (:data:`optax_zero_one.ONEBIT_STEP_KINDS`: warm-up, compressed)
+    """1-bit Adam's step kinds (:data:`optax_zero_one.core.kinds.ONEBIT_STEP_KINDS`: warm-up,
+    compressed)
     for a transform with warm-up length ``freeze_step``."""
-    return OptimizerSpec(name, tx, False, ozo.ONEBIT_STEP_KINDS, ozo.onebit_schedule(freeze_step))
+    return OptimizerSpec(
+        name, tx, False, ozo.core.kinds.ONEBIT_STEP_KINDS, ozo.onebit_schedule(freeze_step)
+    )
+
+
+def worker_step(
+    spec: OptimizerSpec,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    axes: str | tuple[str, ...],
+    step_kind: ozo.StepKind | None = None,
+) -> Callable[..., Any]:
+    """One worker's training step, ``(params, state, batch) -> (params, state, loss)``, for the
+    step kind ``step_kind`` (the optimizer's hint; ``None``: decided in the graph); ``axes``
+    are the workers' mesh axes (:func:`worker_axes`), over which a plain data-parallel
+    optimizer averages its gradients."""
+
+    def step(params: Any, state: Any, batch: Any) -> Any:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if spec.average_grads:
+            grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), axes)
+        updates, state = spec.tx.update(grads, state, params, step_kind=step_kind)
+        return optax.apply_updates(params, updates), state, loss
+
+    return step
 
 
 def make_step(
@@ -148,17 +179,8 @@ def make_step(
     ``loss`` is each worker's loss on its own batch. Not jitted: wrap it in ``jax.jit`` (and
     donate), or let :func:`train_step` do it for every kind.
     """
-
     axes = worker_axes(mesh)
-
-    def step(params: Any, state: Any, batch: Any) -> Any:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        if spec.average_grads:
-            grads = jax.lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), grads), axes)
-        updates, state = spec.tx.update(grads, state, params, step_kind=step_kind)
-        return optax.apply_updates(params, updates), state, loss
-
-    return ozo.on_workers(step, mesh, axes)
+    return ozo.on_workers(worker_step(spec, loss_fn, axes, step_kind), mesh, axes)
 
 
 class TrainStep:
@@ -207,6 +229,69 @@ def run_step(step: Callable[..., Any], *args: Any) -> Any:
     return jax.block_until_ready(step(*args))
 
 
+# --- Compile and count: the one path from a program to the collectives it holds ---
+
+CommStats = ozo.integration.comm_stats.CommStats
+
+# XLA:CPU option that makes a compile for accounting ~2x faster (10 leaves of the compressed mean:
+# ~10 s -> ~5 s on the shared 2-core machine): no LLVM optimisation of the generated code. It
+# does not touch the HLO passes that place, split or combine collectives
+# (tests/test_comm_volume.py checks the stats are identical). Turning off XLA:CPU's fusion
+# emitters as well looked faster on the compressed mean but doubled the compile of a float
+# pmean, and BERT-Large's stalled in layout assignment for > 15 min, so it is not used.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def comm_stats_of_compiled(compiled: jax.stages.Compiled) -> CommStats:
+    """The collectives of a compiled program, read from its optimised HLO: the one place the
+    benchmarks read them (:func:`optax_zero_one.integration.comm_stats.parse_hlo`)."""
+    return ozo.integration.comm_stats.parse_hlo(compiled.as_text())
+
+
+def comm_stats_on_workers(
+    fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    *args: Any,
+    compiler_options: dict[str, Any] | None = None,
+) -> CommStats:
+    """Compiles one worker's ``fn`` over the worker mesh (compile only) and reads its collectives.
+
+    The benchmarks' one compile-and-count path: ``fn`` is lifted to the worker layout over all
+    of ``mesh``'s worker axes (``ozo.on_workers(fn, mesh, worker_axes(mesh))``), jitted, lowered
+    for ``args`` and compiled; :func:`comm_stats_of_compiled` reads the result.
+
+    Args:
+      fn: ``(*one worker's trees) -> one worker's trees``; collectives over :func:`worker_axes`.
+      mesh: the worker mesh (:func:`mesh_of`).
+      *args: the arguments in the worker layout: ``jax.ShapeDtypeStruct`` (e.g. from
+        :func:`worker_specs`) or arrays, of which only shapes, dtypes and shardings are used.
+      compiler_options: XLA options for the compile, e.g. :data:`FAST_COMPILE` (the HLO passes
+        that place and combine collectives run either way; only code generation is cheaper).
+
+    Returns:
+      The :class:`optax_zero_one.integration.comm_stats.CommStats` of the optimised program.
+    """
+
+    def spec(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    program = jax.jit(ozo.on_workers(fn, mesh, worker_axes(mesh)))
+    lowered = program.lower(*jax.tree.map(spec, args))
+    return comm_stats_of_compiled(lowered.compile(compiler_options))
+
+
+def worker_specs(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``ShapeDtypeStruct``s of one worker's ``tree`` with a leading worker axis sharded over
+    ``mesh`` (the worker layout, for compiling without allocating)."""
+    n = mesh.devices.size
+    sharding = NamedSharding(mesh, P(worker_axes(mesh)))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)), x.dtype, sharding=sharding), tree
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class KindTraffic:
     """What one step kind communicates, per worker and per step."""
@@ -224,15 +309,17 @@ def traffic_per_kind(
     mesh: jax.sharding.Mesh,
     first_steps: dict[int, int],
     args: Sequence[Any],
-    compiled: Any = None,
+    compiled: jax.stages.Compiled | None = None,
 ) -> dict[int, KindTraffic]:
-    """What each step kind sends: the training step compiled once per kind, for the kind of
-    the first step ``k`` of that kind, read with :func:`optax_zero_one.parse_hlo`.
+    """What each step kind sends: the training step (:func:`worker_step`) compiled once per
+    kind, for the kind of the first step ``k`` of that kind, through
+    :func:`comm_stats_on_workers`.
 
-    The accounting programs are compiled with XLA's backend (LLVM) optimisation off: they are
-    never run, and the collectives are fixed by the HLO passes, which run as usual (checked: the
-    same collectives and bytes either way). An optimizer with a single step kind needs no
-    program of its own: pass the training step's ``compiled`` executable and its HLO is read.
+    The accounting programs are compiled with :data:`FAST_COMPILE` (XLA's backend (LLVM)
+    optimisation off): they are never run, and the collectives are fixed by the HLO passes,
+    which run as usual (checked: the same collectives and bytes either way). An optimizer with
+    a single step kind needs no program of its own: pass the training step's ``compiled``
+    executable and its HLO is read (:func:`comm_stats_of_compiled`).
 
     Args:
       spec, loss_fn, mesh: as for :func:`make_step`.
@@ -245,17 +332,14 @@ def traffic_per_kind(
       ``{kind: KindTraffic}``. Raises if a program holds a collective inside a branch or a
       loop, whose bytes could not be attributed to one step.
     """
-    shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args
-    )
+    axes = worker_axes(mesh)
     out = {}
     for kind, k in sorted(first_steps.items()):
         if spec.schedule is None and compiled is not None:
-            text = compiled.as_text()
+            stats = comm_stats_of_compiled(compiled)
         else:
-            program = jax.jit(make_step(spec, loss_fn, mesh, spec.kind(k)))
-            text = program.lower(*shapes).compile(FAST_COMPILE).as_text()
-        stats = ozo.parse_hlo(text)
+            step = worker_step(spec, loss_fn, axes, spec.kind(k))
+            stats = comm_stats_on_workers(step, mesh, *args, compiler_options=FAST_COMPILE)
         for c in stats.collectives:
             if c.conditional or c.executions != 1:
                 raise RuntimeError(
@@ -267,7 +351,9 @@ def traffic_per_kind(
             stats.sent_bytes_per_device,
             stats.launches,
             tuple(f"{c.kind}[{','.join(c.dtypes)}]" for c in stats.collectives),
-            tuple(("+".join(axes), sent) for axes, sent in stats.sent_bytes_by_axes(mesh).items()),
+            tuple(
+                ("+".join(names), sent) for names, sent in stats.sent_bytes_by_axes(mesh).items()
+            ),
         )
     return out
 
@@ -285,37 +371,15 @@ def bytes_per_step(kinds: Sequence[int], traffic: dict[int, KindTraffic]) -> np.
     return np.asarray([traffic[int(kind)].sent_bytes for kind in kinds], dtype=np.float64)
 
 
-# --- Compile-only accounting of one optimizer update per step kind (benchmarks.comm_volume) ---
-
-
-def worker_specs(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """``ShapeDtypeStruct``s of one worker's ``tree`` with a leading worker axis sharded over
-    ``mesh`` (the worker layout, for compiling without allocating)."""
-    n = mesh.devices.size
-    sharding = NamedSharding(mesh, P(worker_axes(mesh)))
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)), x.dtype, sharding=sharding), tree
-    )
-
-
-# XLA:CPU option that makes a compile for accounting ~2x faster (10 leaves of the compressed mean:
-# ~10 s -> ~5 s on the shared 2-core machine): no LLVM optimisation of the generated code. It
-# does not touch the HLO passes that place, split or combine collectives
-# (tests/test_comm_volume.py checks the stats are identical). Turning off XLA:CPU's fusion
-# emitters as well looked faster on the compressed mean but doubled the compile of a float
-# pmean, and BERT-Large's stalled in layout assignment for > 15 min, so it is not used.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
 def update_comm_stats(
     spec: OptimizerSpec,
     params: Any,
     num_workers: int | tuple[int, int],
     step: int | None = None,
     compiler_options: dict[str, Any] | None = None,
-) -> ozo.CommStats:
+) -> CommStats:
     """Compiles one optimizer update on ``num_workers`` workers (compile only) and reads its
-    collectives.
+    collectives (:func:`comm_stats_on_workers`).
 
     Only the update is compiled, no model: each worker gets gradients shaped like ``params``
     (averaged with a float32 ``pmean`` first if ``spec.average_grads``). With ``step=k`` the
@@ -329,11 +393,10 @@ def update_comm_stats(
       num_workers: ``N``; the mesh is the first ``N`` devices. A pair ``(nodes, local)``
         makes it a :func:`node_mesh` (build ``spec.tx`` with ``fast_axis_name="local"``).
       step: the 1-based step whose kind to compile, or ``None`` for the unhinted update.
-      compiler_options: XLA options for the compile, e.g. :data:`FAST_COMPILE` (the HLO passes
-        that place and combine collectives run either way; only code generation is cheaper).
+      compiler_options: XLA options for the compile, e.g. :data:`FAST_COMPILE`.
 
     Returns:
-      The :class:`optax_zero_one.CommStats` of the optimised program.
+      The :class:`optax_zero_one.integration.comm_stats.CommStats` of the optimised program.
     """
     mesh = mesh_of(num_workers)
     axes = worker_axes(mesh)
@@ -348,14 +411,12 @@ def update_comm_stats(
         return spec.tx.update(grads, state, params, step_kind=kind)
 
     args = (worker_specs(shapes, mesh), worker_specs(state, mesh), worker_specs(shapes, mesh))
-    if compiler_options is None:
-        return ozo.comm_stats(ozo.on_workers(update, mesh, axes), *args)
-    lowered = jax.jit(ozo.on_workers(update, mesh, axes)).lower(*args)
-    return ozo.parse_hlo(lowered.compile(compiler_options=compiler_options).as_text())
+    return comm_stats_on_workers(update, mesh, *args, compiler_options=compiler_options)
 
 
-def mean_comm_stats(tree: Any, num_workers: int, collective: str | None) -> ozo.CommStats:
-    """What one call of a mean of ``tree`` over ``num_workers`` workers sends (compile only).
+def mean_comm_stats(tree: Any, num_workers: int, collective: str | None) -> CommStats:
+    """What one call of a mean of ``tree`` over ``num_workers`` workers sends (compile only,
+    :func:`comm_stats_on_workers`).
 
     ``collective``: ``"two_phase"`` or ``"psum"`` for :func:`optax_zero_one.onebit_mean` with that
     backend (from zero error buffers), ``None`` for a float ``lax.pmean``. ``tree`` is one
@@ -363,13 +424,13 @@ def mean_comm_stats(tree: Any, num_workers: int, collective: str | None) -> ozo.
     """
     mesh = ozo.worker_mesh(AXIS, num_workers)
     if collective is None:
-        return ozo.comm_stats(
-            ozo.on_workers(lambda t: jax.lax.pmean(t, AXIS), mesh), worker_specs(tree, mesh)
+        return comm_stats_on_workers(
+            lambda t: jax.lax.pmean(t, AXIS), mesh, worker_specs(tree, mesh)
         )
     tx = ozo.onebit_mean(AXIS, num_workers=num_workers, collective=collective)
     state = jax.eval_shape(tx.init, tree)
-    return ozo.comm_stats(
-        ozo.on_workers(tx.update, mesh), worker_specs(tree, mesh), worker_specs(state, mesh)
+    return comm_stats_on_workers(
+        tx.update, mesh, worker_specs(tree, mesh), worker_specs(state, mesh)
     )
 
 

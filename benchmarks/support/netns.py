@@ -69,6 +69,16 @@ class Namespace:
         return ("ip", "netns", "exec", self.name)
 
 
+def rate_bits(rate: str) -> float:
+    """Bits per second of a tc rate such as ``100mbit`` or ``1gbit`` (``nan`` if not of that
+    form)."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    return float("nan")
+
+
 def set_rate(rate: str, namespace: Namespace | None = None) -> None:
     """Shapes the loopback to ``rate`` (tc syntax, e.g. ``100mbit``, ``1gbit``).
 

@@ -2,7 +2,7 @@
 
 Driven by ``tests/test_data_parallel.py``, from ``tests/``::
 
-    python -m optax_zero_one.launch --processes 2 --devices-per-process 4 -- \\
+    python -m optax_zero_one.integration.launch --processes 2 --devices-per-process 4 -- \\
         support.jobs.data_parallel_worker --out DIR
 
 Every process places the params (``jax.make_array_from_callback``, as a multi-host user does),

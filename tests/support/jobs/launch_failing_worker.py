@@ -1,7 +1,7 @@
 """A job for tests/test_launch.py: process 1 fails after a first collective, process 0 goes on
 to a second collective that can never complete; the launcher must stop it and report.
 
-Run from ``tests/`` as ``python -m optax_zero_one.launch --processes 2 -- \\
+Run from ``tests/`` as ``python -m optax_zero_one.integration.launch --processes 2 -- \\
 support.jobs.launch_failing_worker``."""
 
 import sys

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, _graph
-from optax_zero_one.flat import (
+from optax_zero_one.core import _checks, _graph
+from optax_zero_one.core.flat import (
     FlatTree,
     Layout,
     compute_dtype,
@@ -81,7 +81,7 @@ def flatten(
       An ``optax.GradientTransformationExtraArgs`` with state :class:`FlattenState`.
 
     Example:
-      >>> tx = flatten(optax.chain(onebit_mean("w"), optax.sgd(0.1)), axis_name="w")
+      >>> tx = ozo.flatten(optax.chain(ozo.onebit_mean("w"), optax.sgd(0.1)), axis_name="w")
 
     References:
       ``optax.flatten`` is the precedent (a single flat vector, no layout).
@@ -180,7 +180,8 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
       An ``optax.GradientTransformationExtraArgs`` with state :class:`SkipNotFiniteState`.
 
     Example:
-      >>> tx = skip_not_finite(optax.chain(scheduled_mean("w", policy), optax.sgd(0.1)))
+      >>> policy = ozo.VarianceDoubling(freeze_step=100)
+      >>> tx = skip_not_finite(optax.chain(ozo.scheduled_mean("w", policy), optax.sgd(0.1)))
     """
 
     inner = optax.with_extra_args_support(inner)

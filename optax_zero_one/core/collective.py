@@ -7,9 +7,9 @@ chunk ``j`` of every leaf packed 8 signs per byte, plus the per-leaf scales, goe
 and one ``all_gather`` (every server's packed signs and scales), whatever the number of leaves.
 
 The functional core, :func:`compressed_mean`, takes and returns the error buffers explicitly and
-works on :class:`~optax_zero_one.flat.FlatTree` values, so that the optimizers call it on flat
+works on :class:`~optax_zero_one.core.flat.FlatTree` values, so that the optimizers call it on flat
 buffers with no per-leaf work at all. A second backend, ``collective="psum"``
-(:mod:`optax_zero_one.psum_mean`), does the same job in one integer all-reduce.
+(:mod:`optax_zero_one.core.psum_mean`), does the same job in one integer all-reduce.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_zero_one import _checks, _graph, compression, flat, psum_mean
-from optax_zero_one.flat import FlatTree, Layout
+from optax_zero_one.core import _checks, _graph, compression, flat, psum_mean
+from optax_zero_one.core.flat import FlatTree, Layout
 
 COLLECTIVES = ("two_phase", "psum")
 
@@ -32,7 +32,7 @@ class OnebitMeanState(NamedTuple):
     """State of :func:`onebit_mean`: this worker's error-feedback buffers.
 
     Attributes:
-      worker_error: a :class:`~optax_zero_one.flat.FlatTree` of the input's layout: the error
+      worker_error: a :class:`~optax_zero_one.core.flat.FlatTree` of the input's layout: the error
         of this worker's compression, one entry per padded element (row ``j``: chunk ``j``).
         A zero-size array when there is one worker.
       server_error: float ``(C,)``: the error of the chunk this worker serves (zero-size with
@@ -286,7 +286,7 @@ def float_mean(x: Any, axis_name: _checks.Axes) -> Any:
     """Full-precision mean of ``x`` (a tree or a flat buffer) over ``axis_name``: one fused
     all-reduce; leaves in float32 (or wider, if a leaf is wider).
 
-    Over a ``(slow, fast)`` pair a :class:`~optax_zero_one.flat.FlatTree` goes hierarchically:
+    Over a ``(slow, fast)`` pair a :class:`~optax_zero_one.core.flat.FlatTree` goes hierarchically:
     a reduce-scatter over ``fast``, an all-reduce of the 1/L share over ``slow``, an all-gather
     over ``fast``, so that the slow links carry 1/L of the buffer. Other trees take one
     all-reduce over both axes."""
@@ -361,7 +361,7 @@ def onebit_mean(
     with the shared scale ``S = mean_i s_i`` (summed exactly in the same all-reduce) and the psum
     of their sign bits, packed in ``ceil(log2(N+1))``-bit fields, gives the exact mean
     ``S (2c - N) / N`` (``c``: the number of positive signs); no server error; at most 255
-    workers (:mod:`optax_zero_one.psum_mean`).
+    workers (:mod:`optax_zero_one.core.psum_mean`).
 
     Chained before ``optax.sgd`` it is 1-bit SGD with error feedback; before ``optax.adam``,
     Adam on a 1-bit compressed gradient. Inside :func:`~optax_zero_one.flatten` (as the

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_zero_one import _checks, _graph, flat, kinds, policies
-from optax_zero_one import collective as collective_lib  # `collective` names the backend
-from optax_zero_one.flat import FlatTree
-from optax_zero_one.kinds import StepKind
+from optax_zero_one.core import _checks, _graph, flat, kinds, policies
+from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
+from optax_zero_one.core.flat import FlatTree
+from optax_zero_one.core.kinds import StepKind
 
 
 class LocalStepSyncState(NamedTuple):
@@ -230,7 +230,7 @@ def local_step_sync(
       ``update`` needs ``params``.
 
     Example:
-      >>> tx = local_step_sync(optax.sgd(0.1), LocalStepDoubling(100, 8), "w")  # local SGD
+      >>> tx = ozo.local_step_sync(optax.sgd(0.1), ozo.LocalStepDoubling(100, 8), "w")  # local SGD
 
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1); Lin et al., Don't Use Large

@@ -16,6 +16,13 @@ Bytes *sent per device* follow the usual bandwidth-optimal algorithms, for a pay
 bytes per device and a group of ``N``: all-reduce ``2 S (N-1)/N`` (ring), all-gather
 ``S (N-1)`` (every device's shard reaches ``N-1`` others), all-to-all and reduce-scatter
 ``S (N-1)/N``, collective-permute ``S``.
+
+JAX offers the optimised program only as text here (``compiled.as_text()``; jaxlib ships no
+HLO protocol-buffer bindings), so this module is the one place that parses it, with regular
+expressions written against the text of the jax versions in :data:`CHECKED_WITH_JAX`
+(``tests/test_comm_stats.py`` compiles known programs on the installed jax and checks what is
+read). Should XLA's text format move, :func:`parse_hlo` raises rather than miss a collective: it
+counts every collective opcode in the text independently of the parse and compares.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ _BITS = {
     "c64": 64,
     "c128": 128,
 }
+CHECKED_WITH_JAX = ("0.10",)
+"""The jax versions (major.minor) whose HLO text :func:`parse_hlo` was written and tested on."""
+
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
@@ -316,7 +326,30 @@ def parse_hlo(text: str) -> CommStats:
 
     if entry is not None:
         walk(entry, 1, False)
+    _check_all_parsed(text, entry, computations)
     return CommStats(tuple(found))
+
+
+_ANY_COLLECTIVE = re.compile(r"=[^=\n]*?\b(" + "|".join(_KINDS) + r")(-start)?\(")
+
+
+def _check_all_parsed(text: str, entry: str | None, computations: dict[str, list]) -> None:
+    """Raises if the text holds collectives (counted by their opcodes alone) that the parse did
+    not see as instructions: the sign of a text format this parser does not know."""
+    in_text = len(_ANY_COLLECTIVE.findall(text))
+    parsed = sum(
+        1
+        for instructions in computations.values()
+        for _, _, opcode, _, _ in instructions
+        if opcode.removesuffix("-start") in _KINDS
+    )
+    if (in_text and entry is None) or parsed != in_text:
+        raise RuntimeError(
+            f"parse_hlo read {parsed} collective instructions where the text has {in_text} "
+            f"(entry computation {'not ' if entry is None else ''}found): XLA's HLO text format "
+            f"seems to have changed (jax {jax.__version__}; parse_hlo was checked with jax "
+            f"{', '.join(CHECKED_WITH_JAX)}). The byte counts would be wrong; please report it."
+        )
 
 
 def comm_stats(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommStats:
@@ -333,8 +366,11 @@ def comm_stats(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommStats:
       sent per device, and totals (``sent_bytes_per_device``, ``launches``, ``count(kind)``).
 
     Example:
-      >>> stats = comm_stats(jax.pmap(lambda x: jax.lax.pmean(x, "i"), "i"), x)
+      >>> x = jnp.ones((2, 1024))  # 2 devices, 4 KiB each
+      >>> mean = jax.pmap(lambda x: jax.lax.pmean(x, "i"), "i", devices=jax.devices()[:2])
+      >>> stats = comm_stats(mean, x)
       >>> stats.count("all-reduce"), stats.sent_bytes_per_device
+      (1, 4096.0)
     """
     lowered = jax.jit(fn).lower(*args, **kwargs)
     return parse_hlo(lowered.compile().as_text())

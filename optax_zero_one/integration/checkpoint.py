@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one import workers
+from optax_zero_one.integration import workers
 
 
 def worker_count(tree: Any) -> int:
@@ -47,7 +47,7 @@ def worker_count(tree: Any) -> int:
       ValueError: if the tree holds no arrays, a leaf is a scalar, or leaves disagree.
 
     Example:
-      >>> worker_count(replicate({"w": jnp.zeros(3)}, 4))
+      >>> worker_count(ozo.replicate({"w": jnp.zeros(3)}, 4))
       4
     """
     counts: dict[int, str] = {}
@@ -87,8 +87,11 @@ def check_worker_count(tree: Any, num_workers: int) -> None:
         saved count (exact resume), or opt in to :func:`reset_compression`.
 
     Example:
-      >>> saved = manager.item_metadata(manager.latest_step())   # Orbax, before restoring
-      >>> check_worker_count(saved, num_workers=jax.device_count())
+      >>> saved = ozo.replicate({"w": jnp.zeros(3)}, 4)  # e.g. Orbax's item_metadata(step)
+      >>> ozo.check_worker_count(saved, num_workers=4)  # passes
+      >>> ozo.check_worker_count(saved, num_workers=2)
+      Traceback (most recent call last):
+      ValueError: This state was saved by 4 workers, but this run has 2. ...
     """
     if not jax.tree.leaves(tree):
         return
@@ -144,9 +147,13 @@ def reset_compression(
       ``(params, opt_state)`` in the worker layout for ``M`` workers.
 
     Example:
-      >>> old = manager.restore(step, args=ocp.args.StandardRestore(target_for_saved_count))
-      >>> fresh = jax.vmap(tx.init, axis_name="w")(replicate(params, 2))
-      >>> params, opt_state = reset_compression(old["params"], old["opt_state"], fresh)
+      >>> tx = ozo.zero_one_adam(1e-3, axis_name="w")
+      >>> params = {"w": jnp.zeros(16)}
+      >>> old = jax.vmap(tx.init, axis_name="w")(ozo.replicate(params, 4))  # as restored, 4 workers
+      >>> fresh = jax.vmap(tx.init, axis_name="w")(ozo.replicate(params, 2))  # this run: 2
+      >>> params_w, opt_state = ozo.reset_compression(ozo.replicate(params, 4), old, fresh)
+      >>> worker_count((params_w, opt_state))
+      2
 
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009; DeepSpeed's load path resets the same buffers.

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one import _checks
+from optax_zero_one.core import _checks
 
 
 class IntervalState(NamedTuple):

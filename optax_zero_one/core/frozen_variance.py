@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, _graph, kinds, policies
-from optax_zero_one.kinds import StepKind
+from optax_zero_one.core import _checks, _graph, kinds, policies
+from optax_zero_one.core.kinds import StepKind
 
 
 class FrozenVarianceAdamState(NamedTuple):
@@ -107,7 +107,8 @@ def scale_by_frozen_variance_adam(
       An ``optax.GradientTransformationExtraArgs`` with state :class:`FrozenVarianceAdamState`.
 
     Example:
-      >>> tx = optax.chain(scale_by_frozen_variance_adam(variance_policy=VarianceDoubling(100)),
+      >>> policy = ozo.VarianceDoubling(100)
+      >>> tx = optax.chain(ozo.scale_by_frozen_variance_adam(variance_policy=policy),
       ...                  optax.scale_by_learning_rate(1e-3))
 
     References:

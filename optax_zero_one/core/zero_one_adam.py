@@ -24,12 +24,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, _graph, local_steps, policies
-from optax_zero_one import collective as collective_lib  # `collective` names the backend
-from optax_zero_one.frozen_variance import FrozenVarianceAdamState, scale_by_frozen_variance_adam
-from optax_zero_one.local_steps import local_step_sync
-from optax_zero_one.scheduled_mean import ScheduledMeanState, scheduled_mean
-from optax_zero_one.wrappers import decayed_weights, flatten
+from optax_zero_one.core import _checks, _graph, local_steps, policies
+from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
+from optax_zero_one.core.frozen_variance import (
+    FrozenVarianceAdamState,
+    scale_by_frozen_variance_adam,
+)
+from optax_zero_one.core.local_steps import local_step_sync
+from optax_zero_one.core.scheduled_mean import ScheduledMeanState, scheduled_mean
+from optax_zero_one.core.wrappers import decayed_weights, flatten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,8 +225,13 @@ def zero_one_adam(
 
     Example:
       >>> tx = zero_one_adam(1e-3, var_freeze_step=1000, axis_name="batch")
-      >>> # inside jax.pmap(..., axis_name="batch"):
-      >>> updates, opt_state = tx.update(local_grads, opt_state, params)
+      >>> def step(params, opt_state, local_grads):  # one worker, under pmap/shard_map/vmap
+      ...     updates, opt_state = tx.update(local_grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates), opt_state
+      >>> params = jnp.zeros((4, 10))  # 4 workers' copies
+      >>> opt_state = jax.vmap(tx.init, axis_name="batch")(params)
+      >>> grads = jnp.ones((4, 10))  # each worker's own
+      >>> params, opt_state = jax.vmap(step, axis_name="batch")(params, opt_state, grads)
 
     References:
       Lu et al., Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam,

@@ -17,11 +17,11 @@ from typing import Any
 
 import optax
 
-from optax_zero_one import _checks, policies
-from optax_zero_one import collective as collective_lib  # `collective` names the backend
-from optax_zero_one.frozen_variance import scale_by_frozen_variance_adam
-from optax_zero_one.scheduled_mean import scheduled_mean
-from optax_zero_one.wrappers import decayed_weights, flatten, skip_not_finite
+from optax_zero_one.core import _checks, policies
+from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
+from optax_zero_one.core.frozen_variance import scale_by_frozen_variance_adam
+from optax_zero_one.core.scheduled_mean import scheduled_mean
+from optax_zero_one.core.wrappers import decayed_weights, flatten, skip_not_finite
 
 
 def scale_by_onebit_adam(
@@ -50,11 +50,14 @@ def scale_by_onebit_adam(
 
     No bias correction. Pass each worker's *local* gradient.
 
-    Non-finite gradients: every step communicates, and a NaN or Inf in any worker's gradient
-    makes the communicated mean non-finite on every worker, so all workers skip the step
-    together: the output is zero, the state stays as it was and ``skipped_updates`` grows by
-    one. Weight decay and the learning rate live inside the guard so that a skipped step moves
-    nothing and a schedule is evaluated at the count of steps actually taken.
+    Non-finite gradients: during the warm-up the gradients are averaged first, so a NaN or Inf
+    in any worker's gradient makes the mean non-finite on every worker and all workers skip the
+    step together: the output is zero, the state stays as it was and ``skipped_updates`` grows
+    by one. After it each worker's own gradient enters its momentum before the 1-bit average: a
+    non-finite gradient is dropped (taken as zero) on that worker only, and every worker still
+    takes the step (``docs/algorithm.md``). Weight decay and the learning rate live inside the
+    guard so that a skipped step moves nothing and a schedule is evaluated at the count of steps
+    actually taken.
 
     Args:
       b1, b2, eps: Adam's constants.

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one import _checks, _graph, flat, kinds, policies
-from optax_zero_one import collective as collective_lib  # `collective` names the backend
-from optax_zero_one.flat import FlatTree
-from optax_zero_one.kinds import StepKind
+from optax_zero_one.core import _checks, _graph, flat, kinds, policies
+from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
+from optax_zero_one.core.flat import FlatTree
+from optax_zero_one.core.kinds import StepKind
 
 
 class ScheduledMeanState(NamedTuple):
@@ -91,8 +91,8 @@ def scheduled_mean(
       An ``optax.GradientTransformationExtraArgs`` with state :class:`ScheduledMeanState`.
 
     Example:
-      >>> policy = VarianceDoubling(freeze_step=1000)
-      >>> tx = optax.chain(scheduled_mean("w", policy), scale_by_frozen_variance_adam(
+      >>> policy = ozo.VarianceDoubling(freeze_step=1000)
+      >>> tx = optax.chain(ozo.scheduled_mean("w", policy), ozo.scale_by_frozen_variance_adam(
       ...     variance_policy=policy), optax.scale_by_learning_rate(1e-3))
 
     References:

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one import _graph, kinds
-from optax_zero_one.kinds import StepKind, StepSchedule
+from optax_zero_one.core import _graph, kinds
+from optax_zero_one.core.kinds import StepKind, StepSchedule
 
 
 @dataclasses.dataclass
@@ -212,10 +212,21 @@ def dispatch_by_kind(
       A :class:`KindDispatcher`, called like the step.
 
     Example:
-      >>> schedule = ozo.zero_one_schedule(var_freeze_step=100)
+      >>> policies = dict(var_freeze_step=4, var_update_scaler=1, local_step_scaler=1,
+      ...                 local_step_clipper=2)
+      >>> tx = ozo.zero_one_adam(1e-2, axis_name="w", **policies)
+      >>> schedule = ozo.zero_one_schedule(**policies)  # the same policies
+      >>> def train_step(params, opt_state, grads, step_kind=None):  # one worker
+      ...     updates, opt_state = tx.update(grads, opt_state, params, step_kind=step_kind)
+      ...     return optax.apply_updates(params, updates), opt_state
       >>> def compile_kind(kind):
-      ...     return jax.pmap(functools.partial(train_step, step_kind=kind), axis_name="batch")
+      ...     return jax.jit(jax.vmap(functools.partial(train_step, step_kind=kind), axis_name="w"))
       >>> step = ozo.dispatch_by_kind(compile_kind, schedule)
-      >>> params, opt_state, loss = step(params, opt_state, batch)
+      >>> params = ozo.replicate({"w": jnp.zeros(8)}, 2)  # 2 workers
+      >>> opt_state = jax.vmap(tx.init, axis_name="w")(params)
+      >>> for k in range(8):
+      ...     params, opt_state = step(params, opt_state, {"w": jnp.full((2, 8), 1.0 + k)})
+      >>> sorted(step.programs)
+      ['compressed', 'local', 'sync', 'variance']
     """
     return KindDispatcher(compile_kind, schedule, state_index, lag)

@@ -1,7 +1,7 @@
 """1-bit compression with error feedback on flat buffers: pure functions, no communication.
 
 The pieces of the compressed mean (``docs/algorithm.md``, "The compressed mean") that involve
-no communication, for buffers in the worker-major :class:`~optax_zero_one.flat.Layout`:
+no communication, for buffers in the worker-major :class:`~optax_zero_one.core.flat.Layout`:
 
 - :func:`leaf_rms`: one RMS scale per leaf, over that leaf's entries of the buffer;
 - :func:`compress`: error-compensated signs, per-leaf scales and the new error;
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_zero_one.flat import Layout
+from optax_zero_one.core.flat import Layout
 
 # Squares of magnitudes in [2**-50, 2**48) neither flush to subnormals nor overflow when up to
 # 2**31 of them are summed in float32. Leaves whose largest magnitude lies outside that range are

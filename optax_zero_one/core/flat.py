@@ -17,8 +17,8 @@ collective sends, so that its payload is a reshape:
 :class:`Layout` describes this for a tree of shapes and a worker count; :class:`FlatTree` is a
 pytree holding one such buffer (so ``jax.tree.map`` and optax transforms act on the buffer, and
 the compressor reads the leaf boundaries from it); :func:`~optax_zero_one.flatten` (in
-``wrappers.py``) is the transform wrapper
-that converts once on the way in and once on the way out.
+:mod:`optax_zero_one.core.wrappers`) is the transform wrapper that converts once on the way in
+and once on the way out.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_zero_one import _checks, _graph
+from optax_zero_one.core import _checks, _graph
 
 _MAX_BLOCKS = 1 << 20  # block tables of at most 4 MiB (int32) per layout
 
@@ -378,7 +378,8 @@ def leaf_offsets(layout: Layout) -> jax.Array:
 
 def from_flat(flat: FlatTree, offsets: Any, dtypes: Any) -> Any:
     """The tree a :class:`FlatTree` holds, cut out at ``offsets`` (see
-    :class:`~optax_zero_one.FlattenState`, int32 ``(leaves,)``), with the structure and dtypes
+    :class:`~optax_zero_one.core.wrappers.FlattenState`, int32 ``(leaves,)``), with the structure
+    and dtypes
     of ``dtypes`` (a tree of dtypes)."""
     layout = flat.layout
     leaves = []

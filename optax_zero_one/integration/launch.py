@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m optax_zero_one.launch --processes 2 --devices-per-process 2 -- \
-        benchmarks.jobs.multiprocess_train --out results/mp_2x2
+    python -m optax_zero_one.integration.launch --processes 2 --devices-per-process 2 -- \
+        my_project.train --steps 100
 
 Every process runs ``python -m <module> <args>`` with the variables that
 :func:`optax_zero_one.initialize_from_env` reads (coordinator ``127.0.0.1:PORT``, job size,
@@ -15,7 +15,7 @@ status; a port that is already taken, a timeout or Ctrl-C stop everything the sa
 This is for local experiments and tests. On real clusters use the cluster's own launcher
 (SLURM, Kubernetes, ...): ``jax.distributed.initialize()`` then finds its arguments itself.
 
-Each process is started as ``python -m optax_zero_one.launch --child MODULE ARGS``
+Each process is started as ``python -m optax_zero_one.integration.launch --child MODULE ARGS``
 (:func:`run_module`), which runs the module as ``__main__`` and, if it fails, exits at once with
 its status: a plain ``sys.exit(1)`` would first wait up to 5 minutes in ``jax.distributed``'s
 shutdown barrier for processes that may be stuck in a collective with the one that failed.
@@ -37,10 +37,10 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from optax_zero_one import distributed
+from optax_zero_one.integration import distributed
 
 HOST = "127.0.0.1"
 TAIL_LINES = 30
@@ -138,125 +138,149 @@ def launch(
       ``s`` as ``128 + s``), 124 on timeout, 130 on Ctrl-C, 2 if the job could not start.
 
     Example:
-      >>> from optax_zero_one.launch import launch
+      >>> from optax_zero_one.integration.launch import launch
       >>> # every process runs `python -m my_project.train --steps 100`
-      >>> status = launch("my_project.train", ["--steps", "100"], processes=2,
+      >>> status = launch("my_project.train", ["--steps", "100"], processes=2,  # doctest: +SKIP
       ...                 devices_per_process=2, timeout=600)
     """
-    out = out or sys.stdout
     if processes < 1 or devices_per_process < 1:
         raise ValueError("processes and devices_per_process must be >= 1")
-    lock = threading.Lock()
-
-    def say(text: str) -> None:
-        with lock:
-            out.write(text + "\n")
-            out.flush()
-
+    job = _Job(out or sys.stdout)
     try:
         port = pick_port(port, wrapper)
     except LaunchError as err:
-        say(f"[launch] error: {err}")
+        job.say(f"[launch] error: {err}")
         return 2
+    with tempfile.TemporaryDirectory(prefix="ozo-launch-") as failure_dir, _caught_signals() as got:
+        base = _job_env(env, processes, devices_per_process, port, failure_dir)
+        job.say(f"[launch] {processes} x {devices_per_process} devices, coordinator {HOST}:{port}")
+        try:
+            for i in range(processes):
+                job.start(i, [*wrapper, *_child_command(module, args)], base)
+            status = job.wait(processes, timeout, got, failure_dir)
+        finally:
+            job.stop()
+    return status
+
+
+def _child_command(module: str, args: Sequence[str]) -> list[str]:
+    """The command line of one process: this module's ``--child`` entry, then the module."""
+    return [sys.executable, "-m", "optax_zero_one.integration.launch", CHILD, module, *args]
+
+
+def _job_env(
+    env: dict[str, str] | None, processes: int, devices: int, port: int, failure_dir: str
+) -> dict[str, str]:
+    """The environment every process starts with (its rank is added per process)."""
     base = dict(os.environ)
     base.update(env or {})
     base.setdefault("JAX_PLATFORMS", "cpu")
     # at least 2 threads per simulated device, or the devices' rendezvous can deadlock
-    base.setdefault("PJRT_NPROC", str(2 * devices_per_process))
-    base["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
+    base.setdefault("PJRT_NPROC", str(2 * devices))
+    base["JAX_NUM_CPU_DEVICES"] = str(devices)
     base["PYTHONUNBUFFERED"] = "1"
     base[distributed.COORDINATOR] = f"{HOST}:{port}"
     base[distributed.NUM_PROCESSES] = str(processes)
-    failure_dir = tempfile.TemporaryDirectory(prefix="ozo-launch-")
-    base[distributed.FAILURE_DIR] = failure_dir.name
+    base[distributed.FAILURE_DIR] = failure_dir
+    return base
 
-    tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(processes)]
-    procs: list[subprocess.Popen] = []
-    readers: list[threading.Thread] = []
 
-    def forward(i: int, stream: TextIO) -> None:
-        for line in stream:
-            line = line.rstrip("\n")
-            tails[i].append(line)
-            say(f"[p{i}] {line}")
-
-    interrupted: list[int] = []
-    ended: dict[int, tuple[float, int]] = {}  # process -> (exit time, status)
-
-    def watch(i: int, p: subprocess.Popen) -> None:
-        code = p.wait()
-        ended[i] = (time.monotonic(), code)
-
-    def on_signal(signum: int, frame: object) -> None:
-        interrupted.append(signum)
-
+@contextlib.contextmanager
+def _caught_signals() -> Iterator[list[int]]:
+    """Collects SIGINT and SIGTERM into the list it yields (main thread only), so that the job is
+    stopped cleanly instead of the launcher dying with its processes left running."""
+    got: list[int] = []
     previous = {}
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
+    if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_signal)
-    say(f"[launch] {processes} x {devices_per_process} devices, coordinator {HOST}:{port}")
-    status = 0
+            previous[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
     try:
-        for i in range(processes):
-            child_env = dict(base, **{distributed.PROCESS_ID: str(i)})
-            p = subprocess.Popen(
-                [*wrapper, sys.executable, "-m", "optax_zero_one.launch", CHILD, module, *args],
-                env=child_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,  # own process group: we stop it, Ctrl-C does not
-            )
-            procs.append(p)
-            t = threading.Thread(target=forward, args=(i, p.stdout), daemon=True)
-            t.start()
-            readers.append(t)
-            threading.Thread(target=watch, args=(i, p), daemon=True).start()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        failures: list[tuple[float, int, int]] = []
-        while True:
-            failures = sorted((t, i, c) for i, (t, c) in list(ended.items()) if c != 0)
-            if failures:
-                time.sleep(0.5)  # let exits that follow at once register, to name the first
-                failures = sorted(
-                    (_failed_at(failure_dir.name, i, t), i, c)
-                    for i, (t, c) in list(ended.items())
-                    if c != 0
-                )
-                break
-            if len(ended) == processes:
-                break
-            if interrupted:
-                say("[launch] interrupted: stopping all processes")
-                status = 130
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                say(f"[launch] timeout after {timeout:.0f} s: stopping all processes")
-                status = 124
-                break
-            time.sleep(0.05)
-        if failures:
-            _, first, code = failures[0]
-            status = code if code > 0 else 128 - code
-            _stop(procs)
-            for t in readers:
-                t.join(timeout=2.0)
-            after = "".join(f", then process {i} (status {c})" for _, i, c in failures[1:])
-            say(f"[launch] process {first} failed first, with status {code}{after}; "
-                "all processes stopped.")  # fmt: skip
-            say(f"[launch] last lines of process {first}:")
-            for line in tails[first]:
-                say(f"[launch]   | {line}")
+        yield got
     finally:
-        _stop(procs)
-        for t in readers:
-            t.join(timeout=2.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        failure_dir.cleanup()
-    return status
+
+
+class _Job:
+    """The processes of one launch: their output forwarded line by line with a ``[pI]`` prefix
+    (the last lines kept), their exits recorded by watcher threads."""
+
+    def __init__(self, out: TextIO):
+        self.out, self.lock = out, threading.Lock()
+        self.procs: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []
+        self.tails: list[collections.deque] = []
+        self.ended: dict[int, tuple[float, int]] = {}  # process -> (exit time, status)
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def start(self, i: int, command: list[str], base: dict[str, str]) -> None:
+        p = subprocess.Popen(
+            command,
+            env=dict(base, **{distributed.PROCESS_ID: str(i)}),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # own process group: we stop it, Ctrl-C does not
+        )
+        self.procs.append(p)
+        self.tails.append(collections.deque(maxlen=TAIL_LINES))
+        reader = threading.Thread(target=self._forward, args=(i, p.stdout), daemon=True)
+        reader.start()
+        self.readers.append(reader)
+        threading.Thread(target=self._watch, args=(i, p), daemon=True).start()
+
+    def _forward(self, i: int, stream: TextIO) -> None:
+        for line in stream:
+            line = line.rstrip("\n")
+            self.tails[i].append(line)
+            self.say(f"[p{i}] {line}")
+
+    def _watch(self, i: int, p: subprocess.Popen) -> None:
+        code = p.wait()
+        self.ended[i] = (time.monotonic(), code)
+
+    def wait(self, processes: int, timeout: float | None, got: list[int], failure_dir: str) -> int:
+        """Polls until every process has ended, one has failed, a signal came or the time is
+        up; returns the launcher's exit status (see :func:`launch`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if any(c != 0 for _, c in list(self.ended.values())):
+                time.sleep(0.5)  # let exits that follow at once register, to name the first
+                return self._report_failure(failure_dir)
+            if len(self.ended) == processes:
+                return 0
+            if got:
+                self.say("[launch] interrupted: stopping all processes")
+                return 130
+            if deadline is not None and time.monotonic() > deadline:
+                self.say(f"[launch] timeout after {timeout:.0f} s: stopping all processes")
+                return 124
+            time.sleep(0.05)
+
+    def _report_failure(self, failure_dir: str) -> int:
+        failures = sorted(
+            (_failed_at(failure_dir, i, t), i, c) for i, (t, c) in list(self.ended.items()) if c
+        )
+        _, first, code = failures[0]
+        self.stop()
+        after = "".join(f", then process {i} (status {c})" for _, i, c in failures[1:])
+        self.say(f"[launch] process {first} failed first, with status {code}{after}; "
+                 "all processes stopped.")  # fmt: skip
+        self.say(f"[launch] last lines of process {first}:")
+        for line in self.tails[first]:
+            self.say(f"[launch]   | {line}")
+        return code if code > 0 else 128 - code
+
+    def stop(self) -> None:
+        """Stops every process still running and drains their output."""
+        _stop(self.procs)
+        for t in self.readers:
+            t.join(timeout=2.0)
 
 
 def _failed_at(directory: str, process: int, exited: float) -> float:
@@ -280,7 +304,7 @@ def run_module(module: str, args: Sequence[str]) -> None:
     runs as usual. Any exception or non-zero ``sys.exit`` prints what it would have printed and
     ends the process immediately with its status, skipping the barrier (which could otherwise
     wait minutes for processes stuck in a collective with this one). The launcher starts every
-    process through it (``python -m optax_zero_one.launch --child MODULE ARGS``).
+    process through it (``python -m optax_zero_one.integration.launch --child MODULE ARGS``).
 
     Args:
       module: the module to run as ``__main__``.
@@ -290,7 +314,7 @@ def run_module(module: str, args: Sequence[str]) -> None:
       ``None`` when the module ends cleanly; otherwise the process ends here.
 
     Example:
-      >>> run_module("my_project.train", ["--steps", "100"])  # as `python -m my_project.train`
+      >>> run_module("my_project.train", ["--steps", "100"])  # doctest: +SKIP
     """
     sys.argv = [module, *args]
     try:
@@ -329,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [CHILD]:  # one process of a job this launcher started
         if len(argv) < 2:
-            sys.exit(f"usage: python -m optax_zero_one.launch {CHILD} MODULE [ARGS...]")
+            sys.exit(f"usage: python -m optax_zero_one.integration.launch {CHILD} MODULE [ARGS...]")
         run_module(argv[1], argv[2:])
         return 0
     if "--" not in argv:
@@ -338,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = argv.index("--")
         argv_own, rest = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(
-        prog="python -m optax_zero_one.launch",
+        prog="python -m optax_zero_one.integration.launch",
         description="Run `python -m MODULE ARGS` as a local jax.distributed job on 127.0.0.1.",
         usage="%(prog)s --processes P --devices-per-process D [options] -- MODULE [ARGS...]",
     )

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from optax_zero_one import _graph, policies
+from optax_zero_one.core import _graph, policies
 
 STEP_KINDS = ("variance", "compressed", "local", "sync")
 """0/1 Adam's step kinds, in the order of the indices :func:`step_kinds` returns."""
@@ -90,9 +90,9 @@ class StepSchedule:
       local_step_policy: 0/1 Adam's local-step policy; ``None`` for 1-bit Adam.
 
     Example:
-      >>> schedule = StepSchedule(VarianceDoubling(4, 2), LocalStepDoubling(2, 2))
-      >>> [schedule.kind(k).name for k in (1, 3, 5, 6)]
-      ['variance', 'compressed', 'local', 'sync']
+      >>> schedule = ozo.StepSchedule(ozo.VarianceDoubling(4, 2), ozo.LocalStepDoubling(2, 2))
+      >>> [schedule.kind(k).name for k in (1, 3, 5, 7)]
+      ['variance', 'compressed', 'sync', 'local']
     """
 
     variance_policy: Any
@@ -186,8 +186,8 @@ def step_kinds(
     """0/1 Adam's kind (an index into :data:`STEP_KINDS`) of each step ``1..num_steps``.
 
     Example:
-      >>> step_kinds(VarianceDoubling(4, 2), LocalStepDoubling(2, 2), 8)
-      array([0, 0, 1, 0, 2, 3, 2, 3], dtype=int8)
+      >>> ozo.step_kinds(ozo.VarianceDoubling(4, 2), ozo.LocalStepDoubling(2, 2), 8)
+      array([0, 0, 1, 0, 3, 3, 2, 3], dtype=int8)
     """
     return StepSchedule(variance_policy, local_step_policy).indices(num_steps)
 

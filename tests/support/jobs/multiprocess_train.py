@@ -2,11 +2,12 @@
 
 Run it on 2 processes x 2 devices through the launcher, or alone on one process with 4
 simulated devices (JAX's in-process collectives, no ``jax.distributed``), and compare the saved
-trajectories (``tests/test_multiprocess.py``)::
+trajectories (``tests/test_multiprocess.py`` does both, from ``tests/``)::
 
-    python -m optax_zero_one.launch --processes 2 --devices-per-process 2 -- \\
-        benchmarks.jobs.multiprocess_train --out results/mp_2x2
-    python -m benchmarks.jobs.multiprocess_train --out results/mp_1x4
+    cd tests
+    python -m optax_zero_one.integration.launch --processes 2 --devices-per-process 2 -- \\
+        support.jobs.multiprocess_train --out /tmp/mp_2x2
+    python -m support.jobs.multiprocess_train --out /tmp/mp_1x4
 
 The worker axis spans every device of every process (one worker per device); params and
 optimizer state use the worker layout (leading axis sharded ``P("w")``); each worker passes its

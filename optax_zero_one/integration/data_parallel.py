@@ -36,9 +36,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one import _graph, dispatch, workers
-from optax_zero_one.kinds import StepKind, StepSchedule
-from optax_zero_one.workers import ShardLocalState
+from optax_zero_one.core import _graph
+from optax_zero_one.core.kinds import StepKind, StepSchedule
+from optax_zero_one.integration import dispatch, workers
+from optax_zero_one.integration.workers import ShardLocalState
 
 
 def _names(axis: str | tuple) -> tuple[str, ...]:
@@ -374,11 +375,21 @@ def data_parallel(
       The :class:`DataParallel` helper.
 
     Example:
+      >>> mesh = jax.make_mesh((2, 1), ("data", "model"), devices=jax.devices()[:2],
+      ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+      >>> params = {"w": np.zeros((4, 2), np.float32)}
       >>> dp = data_parallel(mesh, params, "data")
-      >>> tx = dp.optimizer(zero_one_adam(1e-3, axis_name="data"))
+      >>> tx = dp.optimizer(ozo.zero_one_adam(1e-3, var_freeze_step=4, axis_name="data"))
+      >>> def step(params, opt_state, batch, step_kind=None):  # one data worker
+      ...     loss, grads = jax.value_and_grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+      ...     updates, opt_state = tx.update(grads, opt_state, params, step_kind=step_kind)
+      ...     return optax.apply_updates(params, updates), opt_state, loss
       >>> params_w = dp.to_workers(params)
       >>> opt_state = dp.init(tx, params_w)
-      >>> train_step = dp.jit(step)  # step(params, opt_state, batch) -> (params, opt_state, aux)
+      >>> train_step = dp.jit(step, schedule=ozo.zero_one_schedule(var_freeze_step=4))
+      >>> params_w, opt_state, loss = train_step(params_w, opt_state, np.ones((2, 4), np.float32))
+      >>> loss.shape  # one per worker
+      (2,)
     """
     names = _names(data_axis) if isinstance(data_axis, str | tuple) else ()
     if not names or not set(names) <= set(mesh.axis_names) or len(set(names)) != len(names):

@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_zero_one import _graph
-from optax_zero_one.distributed import _addressable_rows
-from optax_zero_one.flat import FlatTree
-from optax_zero_one.local_steps import LocalStepSyncState
+from optax_zero_one.core import _graph
+from optax_zero_one.core.flat import FlatTree
+from optax_zero_one.core.local_steps import LocalStepSyncState
+from optax_zero_one.integration.distributed import _addressable_rows
 
 
 class ShardLocalState(NamedTuple):
@@ -68,8 +68,13 @@ def unreplicate(tree: Any, worker: int | None = None) -> Any:
       is held by another process.
 
     Example:
-      >>> params, opt_state = unreplicate((params, opt_state))
+      >>> tx = ozo.zero_one_adam(1e-3, axis_name="w")
+      >>> params = replicate({"w": jnp.zeros(3)}, 4)  # 4 workers
+      >>> opt_state = jax.vmap(tx.init, axis_name="w")(params)
+      >>> params, opt_state = unreplicate((params, opt_state))  # worker 0's copy
       >>> eval_params = synchronized_params(params, opt_state)
+      >>> eval_params["w"].shape
+      (3,)
     """
 
     def one(x: Any) -> Any:

@@ -20,8 +20,8 @@ from typing import Any
 
 import optax
 
-from optax_zero_one.onebit_adam import onebit_adam
-from optax_zero_one.zero_one_adam import zero_one_adam
+from optax_zero_one.core.onebit_adam import onebit_adam
+from optax_zero_one.core.zero_one_adam import zero_one_adam
 
 # DeepSpeed matches optimizer types case-insensitively (``type.lower()``).
 _TYPES = {"zerooneadam": "ZeroOneAdam", "onebitadam": "OneBitAdam"}

@@ -69,7 +69,7 @@ payload and twice that through a ring; the two-phase backend sends about 2 bits 
 two rounds, a float32 all-reduce 64.
 
 Everything except the psum is elementwise, integer, or a fixed-order sum
-(:func:`optax_zero_one.compression.pairwise_sum`), so results are bitwise identical under
+(:func:`optax_zero_one.core.compression.ordered_sum`), so results are bitwise identical under
 ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(axis_name=...)``.
 
 Example:
@@ -88,8 +88,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_zero_one import compression
-from optax_zero_one.flat import Layout
+from optax_zero_one.core import compression
+from optax_zero_one.core.flat import Layout
 
 MAX_WORKERS = 255
 LIMB_BITS = 24

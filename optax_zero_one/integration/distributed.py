@@ -3,7 +3,8 @@
 Helpers for data-parallel training in which every device is one worker and the worker axis may
 span several processes (``jax.distributed``), where no process can address every device:
 
-- :func:`initialize_from_env`: join the job that ``python -m optax_zero_one.launch`` started
+- :func:`initialize_from_env`: join the job that ``python -m optax_zero_one.integration.launch``
+  started
   (a no-op in a process that it did not start);
 - :func:`worker_mesh`: a 1-D mesh over the devices of every process, in process order;
 - :func:`to_workers`: a tree in the worker layout (a leading worker axis sharded over the mesh),
@@ -29,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# The environment variables ``optax_zero_one.launch`` sets for each process.
+# The environment variables ``optax_zero_one.integration.launch`` sets for each process.
 COORDINATOR = "OZO_COORDINATOR"  # host:port of process 0
 NUM_PROCESSES = "OZO_NUM_PROCESSES"
 PROCESS_ID = "OZO_PROCESS_ID"
@@ -52,7 +53,8 @@ class DistributedJob:
 
 
 def initialize_from_env() -> DistributedJob:
-    """Joins the ``jax.distributed`` job that ``optax_zero_one.launch`` started, if it did.
+    """Joins the ``jax.distributed`` job that ``optax_zero_one.integration.launch`` started, if it
+    did.
 
     Reads the coordinator address, the job size and this process's rank from the environment
     the launcher set (``OZO_COORDINATOR``, ``OZO_NUM_PROCESSES``, ``OZO_PROCESS_ID``) and calls
@@ -65,7 +67,7 @@ def initialize_from_env() -> DistributedJob:
       The :class:`DistributedJob`: rank, number of processes, devices in this process.
 
     Example:
-      >>> job = initialize_from_env()  # first thing in a script run by optax_zero_one.launch
+      >>> job = initialize_from_env()  # first thing in a script the launcher runs
       >>> mesh = worker_mesh("w")
     """
     coordinator = os.environ.get(COORDINATOR)
@@ -148,8 +150,11 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = Non
       The tree as ``jax.Array``s sharded ``P(axis_name)`` over ``mesh``.
 
     Example:
-      >>> params = to_workers(replicate(params, mesh.size), mesh)
-      >>> batch = to_workers(lambda i: make_batch(step, worker=i), mesh)
+      >>> mesh = worker_mesh("w", 2)
+      >>> params = to_workers(ozo.replicate({"w": np.zeros(3)}, mesh.size), mesh)
+      >>> batch = to_workers(lambda i: {"x": np.full((4, 3), float(i))}, mesh)  # worker i's own
+      >>> batch["x"].shape
+      (2, 4, 3)
     """
     axis = _axis(mesh, axis_name)
     sharding = NamedSharding(mesh, P(axis))
@@ -225,8 +230,10 @@ def local_rows(tree: Any) -> tuple[np.ndarray, list[np.ndarray]]:
       are not split alike over the workers.
 
     Example:
-      >>> workers, leaves = local_rows((params, opt_state))
-      >>> np.savez(f"step{k}_p{jax.process_index()}.npz", workers=workers, *leaves)
+      >>> mesh = worker_mesh("w", 2)
+      >>> workers, leaves = local_rows(to_workers(ozo.replicate({"w": np.zeros(3)}, 2), mesh))
+      >>> workers, [leaf.shape for leaf in leaves]  # then e.g. np.savez(..., *leaves)
+      (array([0, 1]), [(2, 3)])
     """
     workers: list[int] | None = None
     out = []
@@ -261,8 +268,15 @@ def on_workers(
       ``fn`` on trees in the worker layout.
 
     Example:
-      >>> step = jax.jit(on_workers(worker_step, mesh), donate_argnums=(0, 1))
+      >>> mesh = worker_mesh("w", 2)
+      >>> tx = ozo.zero_one_adam(1e-3, axis_name="w")
+      >>> params = to_workers(ozo.replicate({"w": np.zeros(3)}, 2), mesh)
       >>> opt_state = jax.jit(on_workers(tx.init, mesh))(params)
+      >>> def worker_step(params, opt_state, grads):  # one worker, as under shard_map
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates), opt_state
+      >>> step = jax.jit(on_workers(worker_step, mesh), donate_argnums=(0, 1))
+      >>> params, opt_state = step(params, opt_state, to_workers(lambda i: {"w": np.ones(3)}, mesh))
     """
     axis = _axis(mesh, axis_name)
 

@@ -1,0 +1,66 @@
+"""``parse_hlo`` on the HLO text of the installed jax: known programs read as they are, and a
+text it cannot follow is an error, not a silent undercount."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_zero_one as ozo
+from optax_zero_one.integration import comm_stats as cs
+
+N = 4
+
+
+def stats_of(fn, *args):
+    mesh = ozo.worker_mesh("w", N)
+    return ozo.comm_stats(ozo.on_workers(fn, mesh), *args)
+
+
+def test_this_jax_is_one_the_parser_was_checked_with():
+    assert ".".join(jax.__version__.split(".")[:2]) in cs.CHECKED_WITH_JAX
+
+
+def test_known_collectives_and_bytes():
+    x = jnp.zeros((N, 1024), jnp.float32)  # 4 KiB per worker
+
+    def fn(v):
+        total = jax.lax.psum(v, "w")
+        gathered = jax.lax.all_gather(v.astype(jnp.uint8), "w")
+        return total + gathered.sum(0)
+
+    stats = stats_of(fn, x)
+    by_kind = {c.kind: c for c in stats.collectives}
+    assert set(by_kind) == {"all-reduce", "all-gather"}
+    reduce, gather = by_kind["all-reduce"], by_kind["all-gather"]
+    assert (reduce.dtypes, reduce.payload_bytes, reduce.group_size) == (("f32",), 4096, N)
+    assert reduce.sent_bytes == pytest.approx(2 * 4096 * (N - 1) / N)  # ring
+    assert (gather.dtypes, gather.payload_bytes) == (("u8",), 1024)
+    assert gather.sent_bytes == pytest.approx(1024 * (N - 1))
+    assert all(c.executions == 1 and not c.conditional for c in stats.collectives)
+
+
+def test_collectives_in_loops_and_branches():
+    x = jnp.ones((N, 16), jnp.float32)
+
+    def fn(v):
+        looped = jax.lax.fori_loop(0, 3, lambda i, a: a + jax.lax.psum(a, "w"), v)
+        return jax.lax.cond(v[0] > 0, lambda a: a + jax.lax.pmean(a, "w"), lambda a: a, looped)
+
+    found = sorted((c.executions, c.conditional) for c in stats_of(fn, x).collectives)
+    assert found == [(1, True), (3, False)], found
+
+
+def test_a_text_it_cannot_follow_is_an_error():
+    x = jnp.zeros((N, 8), jnp.float32)
+    mesh = ozo.worker_mesh("w", N)
+    text = jax.jit(ozo.on_workers(lambda v: jax.lax.psum(v, "w"), mesh)).lower(x).compile()
+    text = text.as_text()
+    assert len(cs.parse_hlo(text).collectives) == 1
+    # a format the parser does not know: instruction names no longer end in " = "
+    mangled = "\n".join(
+        line.replace(" = ", " := ") if "all-reduce" in line else line for line in text.splitlines()
+    )
+    with pytest.raises(RuntimeError, match="HLO text format seems to have changed"):
+        cs.parse_hlo(mangled)
+    np.testing.assert_equal(len(cs.parse_hlo("").collectives), 0)

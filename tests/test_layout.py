@@ -1,0 +1,56 @@
+"""The package's two parts stay apart: the optimizer core never imports the integration."""
+
+import ast
+import pathlib
+
+import optax_zero_one as ozo
+
+PACKAGE = pathlib.Path(ozo.__file__).parent
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_core_imports_only_core():
+    files = sorted((PACKAGE / "core").glob("*.py"))
+    assert len(files) > 10
+    for path in files:
+        ours = {m for m in imported_modules(path) if m.split(".")[0] == "optax_zero_one"}
+        outside = {m for m in ours if not m.startswith("optax_zero_one.core")}
+        assert not outside, f"{path.name} imports {sorted(outside)}: core must not depend on them"
+
+
+def test_public_names_resolve_and_are_documented():
+    assert len(ozo.__all__) == len(set(ozo.__all__))
+    for name in ozo.__all__:
+        obj = getattr(ozo, name)
+        if callable(obj):
+            assert obj.__doc__, f"ozo.{name} has no docstring"
+    # nothing beyond __all__ and the two subpackages leaks into the top-level namespace
+    public = {n for n in vars(ozo) if not n.startswith("_")}
+    assert public - set(ozo.__all__) == {"core", "integration"}
+
+
+def test_every_test_named_in_the_tiers_exists():
+    """The tier lists of conftest.py name tests by ``file::function``: a renamed test must not
+    silently fall back into another tier."""
+    import conftest
+
+    tests = pathlib.Path(__file__).parent
+    defined = {
+        f"{path.name}::{node.name}"
+        for path in tests.glob("test_*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
+    named = conftest.SLOW_TESTS | conftest.INTEGRATION_TESTS
+    assert named <= defined, sorted(named - defined)
+    files = {p.name for p in tests.glob("test_*.py")}
+    assert files >= conftest.UNIT_FILES | conftest.SLOW_FILES
