@@ -1,9 +1,10 @@
 """Training workloads for the benchmarks: data that ships with Python or scikit-learn, a model in
 Flax NNX, a per-worker loss and deterministic per-worker batches.
 
-- :func:`char_lm`: a GPT-style character-level language model on the Python language reference
-  (``pydoc_data.topics``, ~465k characters): first 90% for training (split into one contiguous
-  shard per worker), last 10% for validation.
+- :func:`char_lm`: a GPT-style character-level language model, on the Python language reference
+  (``corpus="pydoc"``: ``pydoc_data.topics``, ~465k characters; first 90% for training, split
+  into one contiguous shard per worker, last 10% for validation) or on the standard library's
+  own sources (``corpus="stdlib"``: tens of MB, split by file; :func:`stdlib_corpus`).
 - :func:`digits`: a small MLP on scikit-learn's 8x8 ``load_digits`` images (a fixed stratified
   test split; the training images shuffled once and dealt out to the workers).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +57,7 @@ class Workload:
     eval_sums: Callable[[Any, Any], dict[str, jax.Array]]
     description: str
     mask: Any = None
+    data: dict = dataclasses.field(default_factory=dict)  # what the text was: size, hash, split
 
 
 def _functional(make_model: Callable[[nnx.Rngs], nnx.Module]) -> tuple[Any, Callable, int]:
@@ -145,6 +148,73 @@ def corpus() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A text split into training and validation parts, and what identifies it."""
+
+    name: str
+    train: str
+    val: str
+    info: dict
+
+
+def stdlib_corpus(val_every: int = 10) -> Corpus:
+    """The running Python's standard-library sources as one text, split by file.
+
+    Every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` except ``site-packages``, read
+    in sorted path order; files that are not ASCII are left out (so that the vocabulary is the
+    printable ASCII range and a few controls); every ``val_every``-th file (by that order) goes
+    to validation, so that the validation text is whole files the model never trains on, spread
+    over the library. ``info`` records the Python version, file and character counts and a
+    SHA-256 of the text (train, then validation), so that a run elsewhere can say whether it saw
+    the same text.
+    """
+    import hashlib
+    import platform
+    import sysconfig
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts
+    )
+    train, val, skipped = [], [], 0
+    for i, path in enumerate(files):
+        try:
+            text = path.read_bytes().decode("ascii")
+        except (UnicodeDecodeError, OSError):
+            skipped += 1
+            continue
+        (val if i % val_every == val_every - 1 else train).append(text)
+    train_text, val_text = "\n".join(train), "\n".join(val)
+    digest = hashlib.sha256((train_text + "\0" + val_text).encode()).hexdigest()
+    info = dict(
+        corpus="stdlib",
+        python=platform.python_version(),
+        files_train=len(train),
+        files_val=len(val),
+        files_skipped_not_ascii=skipped,
+        chars_train=len(train_text),
+        chars_val=len(val_text),
+        sha256=digest,
+    )
+    return Corpus("stdlib", train_text, val_text, info)
+
+
+def pydoc_corpus() -> Corpus:
+    """``pydoc_data.topics`` (:func:`corpus`): the first 90% for training, the rest validation."""
+    import hashlib
+
+    text = corpus()
+    cut = int(0.9 * len(text))
+    info = dict(
+        corpus="pydoc",
+        chars_train=cut,
+        chars_val=len(text) - cut,
+        sha256=hashlib.sha256(text.encode()).hexdigest(),
+    )
+    return Corpus("pydoc", text[:cut], text[cut:], info)
+
+
 def char_lm(
     num_workers: int,
     *,
@@ -156,21 +226,29 @@ def char_lm(
     eval_windows: int = 512,
     separate_qkv: bool = True,
     seed: int = 0,
+    corpus: str = "pydoc",
 ) -> Workload:
-    """Character-level GPT on ``pydoc_data.topics``.
+    """Character-level GPT on ``pydoc_data.topics`` (``corpus="pydoc"``) or the standard
+    library's sources (``corpus="stdlib"``, :func:`stdlib_corpus`).
 
-    Train/validation split: the first 90% / the last 10% of the text. Worker ``i`` trains on the
+    Train/validation split: pydoc, the first 90% / the last 10% of the text; stdlib, by file.
+    Worker ``i`` trains on the
     ``i``-th of ``num_workers`` contiguous equal shards of the training text, on
     ``batch_per_worker`` windows of ``context + 1`` characters drawn uniformly from its shard
     (a NumPy generator seeded with ``(seed, step, i)``). Validation: up to ``eval_windows``
     windows evenly spread over the validation text (a multiple of ``num_workers``).
     """
-    text = corpus()
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = np.fromiter((lookup[c] for c in text), np.int32, len(text))
-    cut = int(0.9 * len(ids))
-    train, val = ids[:cut], ids[cut:]
+    data = {"pydoc": pydoc_corpus, "stdlib": stdlib_corpus}[corpus]()
+    vocab = sorted(set(data.train) | set(data.val))
+    table = np.zeros(128 if corpus == "stdlib" else 0x110000, np.int32)
+    table[[ord(c) for c in vocab]] = np.arange(len(vocab))
+
+    def encode(text: str) -> np.ndarray:
+        if corpus == "stdlib":  # ASCII: a byte lookup
+            return table[np.frombuffer(text.encode("ascii"), np.uint8)]
+        return table[np.fromiter(map(ord, text), np.int64, len(text))]
+
+    train, val = encode(data.train), encode(data.val)
     shard = len(train) // num_workers
     shards = [train[i * shard : (i + 1) * shard] for i in range(num_workers)]
 
@@ -214,10 +292,14 @@ def char_lm(
         description=(
             f"char-level GPT, {layers} blocks, width {dim}, {heads} heads, context {context}, "
             f"{size:,} parameters; {num_workers} workers x {batch_per_worker} sequences; "
-            f"pydoc_data.topics ({len(text):,} chars, vocab {len(vocab)}), "
+            f"{_CORPUS_NAMES[corpus]} ({len(train) + len(val):,} chars, vocab {len(vocab)}), "
             f"{len(train):,} train / {len(val):,} val chars, {count} val windows"
         ),
+        data={**data.info, "vocab": len(vocab), "val_windows": count},
     )
+
+
+_CORPUS_NAMES = {"pydoc": "pydoc_data.topics", "stdlib": "the standard library's sources"}
 
 
 # --------------------------------------------------------------------------- digits MLP
