@@ -11,6 +11,7 @@ os.environ.setdefault("PJRT_NPROC", str(2 * NUM_DEVICES))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
 
@@ -73,8 +74,6 @@ SLOW_FILES = {
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         name = item.path.name
         test = f"{name}::{item.originalname}"

@@ -240,13 +240,11 @@ def char_lm(
     """
     data = {"pydoc": pydoc_corpus, "stdlib": stdlib_corpus}[corpus]()
     vocab = sorted(set(data.train) | set(data.val))
-    table = np.zeros(128 if corpus == "stdlib" else 0x110000, np.int32)
-    table[[ord(c) for c in vocab]] = np.arange(len(vocab))
+    codes = np.asarray([ord(c) for c in vocab], np.uint32)  # sorted, as vocab is
 
-    def encode(text: str) -> np.ndarray:
-        if corpus == "stdlib":  # ASCII: a byte lookup
-            return table[np.frombuffer(text.encode("ascii"), np.uint8)]
-        return table[np.fromiter(map(ord, text), np.int64, len(text))]
+    def encode(text: str) -> np.ndarray:  # each character's index in vocab, vectorised
+        points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        return np.searchsorted(codes, points).astype(np.int32)
 
     train, val = encode(data.train), encode(data.val)
     shard = len(train) // num_workers
