@@ -117,46 +117,12 @@ def base_config(seed: int, lr: float, **changes: Any) -> Any:
 # --------------------------------------------------------------------------- the text
 
 
-def char_counts() -> tuple[list[str], np.ndarray]:
-    """The workload's vocabulary (row ``i`` of the token embedding is ``vocab[i]``) and each
-    character's count in the training text the workers draw from (their shards)."""
-    from benchmarks.support import training, workloads
-
-    text = workloads.corpus()
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = np.fromiter((lookup[c] for c in text), np.int64, len(text))
-    train = ids[: int(0.9 * len(ids))]
-    shard = len(train) // training.NUM_WORKERS
-    return vocab, np.bincount(train[: shard * training.NUM_WORKERS], minlength=len(vocab))
-
-
 def seen_counts(workload: Any, steps: int, vocab_size: int) -> np.ndarray:
     """How often each character was an input of the batches of steps ``1..steps``."""
     seen = np.zeros(vocab_size, np.int64)
     for i in range(steps):
         seen += np.bincount(workload.train_batch(i)[..., :-1].reshape(-1), minlength=vocab_size)
     return seen
-
-
-def rare_row_mask(params: Any, counts: np.ndarray, threshold: int) -> Any:
-    """A momentum mask like ``params`` (one copy): 1 everywhere but on the token-embedding rows
-    of the characters that occur fewer than ``threshold`` times (``counts``)."""
-    import jax
-
-    def one(path: Any, leaf: Any) -> np.ndarray:
-        mask = np.ones(np.shape(leaf), np.float32)
-        if _is_token_embedding(path):
-            mask[counts < threshold] = 0.0
-        return mask
-
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
-def _is_token_embedding(path: Any) -> bool:
-    import jax
-
-    return "tokens" in jax.tree_util.keystr(path)
 
 
 def _leaf_names(params: Any) -> list[str]:
@@ -257,7 +223,7 @@ def run_ours(
 
     start, cpu = time.perf_counter(), time.process_time()
     spec = training.make_spec("onebit_adam", cfg, mask)
-    freeze = cfg.policies()[0].freeze_step
+    freeze = cfg.onebit_freeze_step()
     axes = common.worker_axes(mesh)
     step = common.train_step(spec, workload.loss, mesh)
     init = jax.jit(ozo.on_workers(spec.tx.init, mesh, axes))
@@ -352,7 +318,7 @@ def run_reference(cfg: Any, workload: Any, stop: int) -> dict[str, Any]:
     names = _leaf_names(one)
     treedef = jax.tree.structure(one)
     token = next(i for i, name in enumerate(names) if name.startswith("tokens"))
-    freeze = cfg.policies()[0].freeze_step
+    freeze = cfg.onebit_freeze_step()
     lrs = np.asarray(cfg.schedule()(jnp.arange(stop + 1)), np.float64)  # the same float32 rates
     ref = reference.OnebitAdam(
         [np.asarray(x) for x in jax.tree.leaves(one)],
@@ -528,7 +494,7 @@ def run(
 ) -> dict[str, Any]:
     """Runs (or resumes) the three parts (part 3: the ``remedies`` named); returns the
     JSON-ready result."""
-    from benchmarks.support import common, training
+    from benchmarks.support import common, training, workloads
 
     common.setup_cpu_devices(training.NUM_WORKERS)
     import optax_zero_one as ozo
@@ -551,7 +517,8 @@ def run(
             made[seed] = training.make_workload(setup.config(seed))
         return made[seed]
 
-    vocab, counts = char_counts()
+    first = workload(setup.seeds[0])
+    vocab, counts = list(first.vocab), first.token_counts
     runs: dict[str, Any] = {}
     for seed in setup.seeds:
         cfg = setup.config(seed)
@@ -572,8 +539,7 @@ def run(
             f"reference/{seed}",
             lambda cfg=cfg: run_reference(cfg, workload(cfg.seed), setup.diverge_steps),
         )
-    one = workload(setup.seeds[0]).init_params(0)
-    mask = rare_row_mask(one, counts, setup.rare_count)
+    mask = workloads.rare_token_mask(first, setup.rare_count)
     tried = {
         f"mask<{setup.rare_count}": ("mask", dict(), mask, setup.remedy_steps),
         f"freeze={setup.late_freeze:g}": (
@@ -629,7 +595,7 @@ def run(
             for k, v in dataclasses.asdict(setup.config(0)).items()
             if k in ("steps", "peak_lr", "warmup", "final_lr", "b1", "b2", "eps", "weight_decay")
         }
-        | {"freeze_step": setup.config(0).policies()[0].freeze_step},
+        | {"freeze_step": setup.config(0).onebit_freeze_step()},
         "masked_rows": [
             {"row": int(r), "char": vocab[r], "count": int(counts[r])}
             for r in np.flatnonzero(counts < setup.rare_count)
@@ -651,7 +617,7 @@ def run(
 def _freeze(key: str, setup: Setup) -> int:
     """The freeze step of run ``key``."""
     changes = dict(freeze=setup.late_freeze) if key.startswith("late_freeze/") else {}
-    return setup.config(0, **changes).policies()[0].freeze_step
+    return setup.config(0, **changes).onebit_freeze_step()
 
 
 def _study_seed1() -> dict[str, Any] | None:

@@ -103,16 +103,24 @@ def test_onebit_adam_blows_up_on_a_rare_tied_row_and_the_momentum_mask_prevents_
     np.testing.assert_array_equal(masked_rare[FREEZE:], masked_rare[FREEZE - 1])
 
 
-def test_rare_row_mask_zeroes_the_token_rows_of_rare_characters():
-    """The benchmark's mask on the study's workload: 0 exactly on the token-embedding rows of
-    characters with fewer than ``RARE_COUNT`` occurrences in the training text."""
+def test_rare_token_mask_zeroes_the_token_rows_of_rare_characters():
+    """The benchmarks' mask on the study's workload: 0 exactly on the token-embedding rows of
+    characters with fewer than ``RARE_COUNT`` occurrences in the workers' training text, counted
+    here independently from the batches' source text."""
     pytest.importorskip("flax")
-    from benchmarks.support import training
+    from benchmarks.support import training, workloads
 
     cfg = obd.base_config(0, 2e-3)
-    params = training.make_workload(cfg).init_params(0)
-    vocab, counts = obd.char_counts()
-    mask = obd.rare_row_mask(params, counts, obd.RARE_COUNT)
+    workload = training.make_workload(cfg)
+    params = workload.init_params(0)
+    text = workloads.corpus()
+    train = text[: int(0.9 * len(text))]
+    train = train[: len(train) // training.NUM_WORKERS * training.NUM_WORKERS]
+    vocab = sorted(set(text))
+    counts = np.asarray([train.count(c) for c in vocab])
+    assert list(workload.vocab) == vocab
+    np.testing.assert_array_equal(workload.token_counts, counts)
+    mask = workloads.rare_token_mask(workload, obd.RARE_COUNT)
     tokens = mask["tokens"]["embedding"]
     assert tokens.shape == (len(vocab), params["tokens"]["embedding"].shape[1])
     np.testing.assert_array_equal(tokens[:, 0] == 0, counts < obd.RARE_COUNT)

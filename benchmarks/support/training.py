@@ -46,6 +46,7 @@ class Config:
 
     workload: str = "char_lm"
     model: tuple[tuple[str, int], ...] = ()
+    corpus: str = "pydoc"  # char_lm's text: "pydoc" or "stdlib" (workloads.char_lm)
     steps: int = 2000
     eval_every: int = 100
     peak_lr: float = 2e-3
@@ -55,8 +56,12 @@ class Config:
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.01
-    freeze: float = 0.15
+    freeze: float = 0.15  # 0/1 Adam's variance freeze (and 1-bit Adam's, unless onebit_freeze)
     local_scaler: float = 0.22
+    onebit_freeze: float | None = None  # 1-bit Adam's freeze, if not ``freeze``
+    # 1-bit Adam's momentum mask also zeroes the token-embedding rows of tokens seen fewer than
+    # this many times in the training text (workloads.rare_token_mask); 0: the workload's mask.
+    onebit_rare_mask: int = 0
     kappa: int = 16
     clipper: int = 16
     seed: int = 0
@@ -77,6 +82,11 @@ class Config:
         alpha = max(1, round(self.local_scaler * self.steps))
         return ozo.VarianceDoubling(freeze, self.kappa), ozo.LocalStepDoubling(alpha, self.clipper)
 
+    def onebit_freeze_step(self) -> int:
+        """1-bit Adam's last full-precision step."""
+        freeze = self.freeze if self.onebit_freeze is None else self.onebit_freeze
+        return max(1, round(freeze * self.steps))
+
 
 SMALL_GPT = (("dim", 64), ("layers", 2), ("heads", 4), ("context", 64), ("batch_per_worker", 4))
 PRESETS = {
@@ -93,8 +103,19 @@ PRESETS = {
 
 def make_workload(cfg: Config) -> workloads.Workload:
     """``cfg``'s workload (model and data) for :data:`NUM_WORKERS` workers."""
-    build = {"char_lm": workloads.char_lm, "digits": workloads.digits}[cfg.workload]
-    return build(NUM_WORKERS, seed=cfg.seed, **dict(cfg.model))
+    if cfg.workload == "char_lm":
+        return workloads.char_lm(NUM_WORKERS, seed=cfg.seed, corpus=cfg.corpus, **dict(cfg.model))
+    if cfg.corpus != "pydoc":
+        raise ValueError(f"corpus={cfg.corpus!r} is for char_lm, not {cfg.workload}")
+    return workloads.digits(NUM_WORKERS, seed=cfg.seed, **dict(cfg.model))
+
+
+def optimizer_mask(name: str, cfg: Config, workload: workloads.Workload) -> Any:
+    """The mask optimizer ``name`` gets: the workload's, or for 1-bit Adam with
+    ``cfg.onebit_rare_mask``, that and the rows of rare tokens."""
+    if name == "onebit_adam" and cfg.onebit_rare_mask:
+        return workloads.rare_token_mask(workload, cfg.onebit_rare_mask)
+    return workload.mask
 
 
 def _mean_inside_node() -> optax.GradientTransformation:
@@ -120,15 +141,11 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
             name, optax.adamw(lr, weight_decay=cfg.weight_decay, **adam), average_grads=True
         )
     if name == "onebit_adam":
+        freeze = cfg.onebit_freeze_step()
         tx = ozo.onebit_adam(
-            lr,
-            weight_decay=cfg.weight_decay,
-            freeze_step=variance.freeze_step,
-            mask=mask,
-            **axes,
-            **adam,
+            lr, weight_decay=cfg.weight_decay, freeze_step=freeze, mask=mask, **axes, **adam
         )
-        return common.onebit_spec(name, tx, variance.freeze_step)
+        return common.onebit_spec(name, tx, freeze)
     if name in ("zero_one_adam", "zero_one_adam_psum", "zero_one_adam_node_mean"):
         tx = ozo.scale_by_zero_one_adam(
             lr,
@@ -171,7 +188,7 @@ _TRAFFIC: dict[Any, Any] = {}
 def _programs(cfg: Config, name: str, workload: workloads.Workload, mesh: Any, args: Any) -> Any:
     key = (dataclasses.replace(cfg, seed=0, optimizers=()), name)
     if key not in _PROGRAMS:
-        spec = make_spec(name, cfg, workload.mask)
+        spec = make_spec(name, cfg, optimizer_mask(name, cfg, workload))
         start = time.perf_counter()
         step = common.train_step(spec, workload.loss, mesh)
         # One program per step kind the run takes, compiled before it (the calls then reuse them).
@@ -221,9 +238,8 @@ def train(
     """Trains one optimizer; returns its curves, step kinds, traffic and timings (with
     ``nodes = (S, L)``, also the bytes across nodes of that cluster: :func:`across_nodes`)."""
     axes = common.worker_axes(mesh)
-    init = jax.jit(
-        ozo.on_workers(lambda p: make_spec(name, cfg, workload.mask).tx.init(p), mesh, axes)
-    )
+    spec_tx = make_spec(name, cfg, optimizer_mask(name, cfg, workload)).tx
+    init = jax.jit(ozo.on_workers(spec_tx.init, mesh, axes))
     params = ozo.replicate(workload.init_params(cfg.seed), NUM_WORKERS)
     params = ozo.to_workers(params, mesh, axes)
     state = init(params)

@@ -58,6 +58,10 @@ class Workload:
     description: str
     mask: Any = None
     data: dict = dataclasses.field(default_factory=dict)  # what the text was: size, hash, split
+    # A language model's: how often each token occurs in the workers' training text (row ``i``
+    # of the token embedding, ``params["tokens"]["embedding"]``, is token ``i``), and the tokens.
+    token_counts: np.ndarray | None = None
+    vocab: tuple[str, ...] = ()
 
 
 def _functional(make_model: Callable[[nnx.Rngs], nnx.Module]) -> tuple[Any, Callable, int]:
@@ -294,7 +298,28 @@ def char_lm(
             f"{len(train):,} train / {len(val):,} val chars, {count} val windows"
         ),
         data={**data.info, "vocab": len(vocab), "val_windows": count},
+        token_counts=np.bincount(np.concatenate(shards), minlength=len(vocab)),
+        vocab=tuple(vocab),
     )
+
+
+def rare_token_mask(workload: Workload, threshold: int) -> Any:
+    """``workload``'s mask (ones where it has none) with the token-embedding rows of the tokens
+    seen fewer than ``threshold`` times in the training text set to 0: the momentum mask a
+    DeepSpeed user gives 1-bit Adam for rows that (almost) no gradient reaches
+    (docs/benchmarks/onebit_divergence.md)."""
+    if workload.token_counts is None:
+        raise ValueError(f"{workload.name} has no tokens: a rare-token mask needs a language model")
+    params = workload.init_params(0)
+    base = workload.mask or jax.tree.map(lambda x: np.ones(np.shape(x), np.float32), params)
+
+    def one(path: Any, mask: Any) -> np.ndarray:
+        mask = np.array(mask, np.float32)
+        if jax.tree_util.keystr(path) == "['tokens']['embedding']":
+            mask[workload.token_counts < threshold] = 0.0
+        return mask
+
+    return jax.tree_util.tree_map_with_path(one, base)
 
 
 _CORPUS_NAMES = {"pydoc": "pydoc_data.topics", "stdlib": "the standard library's sources"}
