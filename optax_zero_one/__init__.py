@@ -21,7 +21,9 @@ The package has two parts (``docs/design.md``):
   :func:`zero_one_adam` and :func:`onebit_adam`, short compositions of them inside
   :func:`flatten`; the policies (:class:`VarianceDoubling`, :class:`LocalStepDoubling`,
   :class:`FullPrecisionWarmup`) and the step kinds of a run (:class:`StepSchedule`,
-  :class:`StepKind`: pass ``step_kind=`` to ``update`` to compile one kind alone).
+  :class:`StepKind`: pass ``step_kind=`` to ``update`` to compile one kind alone);
+  :func:`diloco`, local steps of any inner optimizer with an outer optimizer on the averaged
+  delta (:class:`SyncEvery`, :func:`diloco_schedule`, :func:`local_step_schedule`).
 - :mod:`optax_zero_one.integration`, what runs it: :func:`dispatch_by_kind` and
   :func:`data_parallel` (one program per step kind, chosen on the host), the worker layout
   (:func:`replicate`, :func:`unreplicate`, :func:`synchronized_params`, :func:`worker_mesh`,
@@ -35,6 +37,7 @@ building blocks, HLO parsing, per-policy step lists) is in the submodules, docum
 """
 
 from optax_zero_one.core.collective import OnebitMeanState, float_mean, onebit_mean
+from optax_zero_one.core.diloco import diloco, diloco_schedule
 from optax_zero_one.core.frozen_variance import (
     FrozenVarianceAdamState,
     scale_by_frozen_variance_adam,
@@ -43,6 +46,7 @@ from optax_zero_one.core.kinds import (
     STEP_KINDS,
     StepKind,
     StepSchedule,
+    local_step_schedule,
     onebit_schedule,
     step_count,
     step_kind,
@@ -60,6 +64,7 @@ from optax_zero_one.core.policies import (
     FullPrecisionWarmup,
     LocalStepDoubling,
     LocalStepPolicy,
+    SyncEvery,
     VarianceDoubling,
     VariancePolicy,
 )
@@ -87,6 +92,8 @@ __all__ = [
     "comm_stats",
     "data_parallel",
     "DataParallel",
+    "diloco",
+    "diloco_schedule",
     "dispatch_by_kind",
     "flatten",
     "float_mean",
@@ -96,6 +103,7 @@ __all__ = [
     "FullPrecisionWarmup",
     "initialize_from_env",
     "local_rows",
+    "local_step_schedule",
     "local_step_sync",
     "LocalStepDoubling",
     "LocalStepPolicy",
@@ -122,6 +130,7 @@ __all__ = [
     "StepKind",
     "StepSchedule",
     "synchronized_params",
+    "SyncEvery",
     "to_workers",
     "unreplicate",
     "VarianceDoubling",

@@ -308,3 +308,16 @@ def check_state_type(state: Any, expected: type, optimizer: str) -> None:
             f"{type(state).__name__}. Was the state made by another optimizer, or taken from "
             "the wrong position of an optax.chain state?"
         )
+
+
+def check_transformation(name: str, tx: Any) -> Any:
+    """``tx`` (``None`` stays ``None``) with extra-args support, or a ``TypeError`` naming
+    ``name`` if it is not an optax transformation."""
+    if tx is None:
+        return None
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation (e.g. optax.sgd(0.7, momentum=0.9, "
+            f"nesterov=True)), got {tx!r}."
+        )
+    return optax.with_extra_args_support(tx)

@@ -173,6 +173,19 @@ def zero_one_schedule(
     )
 
 
+def local_step_schedule(local_step_policy: Any, start_step: int = 0) -> StepSchedule:
+    """The :class:`StepSchedule` of :func:`~optax_zero_one.local_step_sync` around an inner
+    transform without phases of its own (e.g. local SGD, :func:`~optax_zero_one.diloco`):
+    ``"variance"`` (pass through) up to ``start_step``, then ``"local"`` and ``"sync"``.
+
+    Example:
+      >>> schedule = ozo.local_step_schedule(ozo.SyncEvery(3))
+      >>> [schedule.kind(k).name for k in (1, 2, 3, 4)]
+      ['local', 'local', 'sync', 'local']
+    """
+    return StepSchedule(policies.FullPrecisionWarmup(start_step), local_step_policy)
+
+
 def onebit_schedule(freeze_step: int = 100_000) -> StepSchedule:
     """The :class:`StepSchedule` of :func:`~optax_zero_one.onebit_adam` with ``freeze_step``."""
     return StepSchedule(policies.FullPrecisionWarmup(freeze_step))

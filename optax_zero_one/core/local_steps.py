@@ -48,6 +48,8 @@ class LocalStepSyncState(NamedTuple):
       dropped_local_grads: int32, local steps at which *this* worker's gradient was not finite
         and was replaced by zero.
       inner_state: the inner transform's state.
+      outer_state: the outer optimizer's state (identical on every worker), or
+        ``optax.EmptyState()`` without one.
       refused_hint: int32 ``(2,)``: refused hints and the branch asked for at the last one
         (as in :class:`~optax_zero_one.ScheduledMeanState`).
     """
@@ -61,6 +63,7 @@ class LocalStepSyncState(NamedTuple):
     skipped_updates: jax.Array
     dropped_local_grads: jax.Array
     inner_state: optax.OptState
+    outer_state: optax.OptState
     refused_hint: jax.Array
 
     STEP_COUNTER = "count"
@@ -84,12 +87,16 @@ class LocalStepSyncState(NamedTuple):
             skipped_updates=self.skipped_updates,
             dropped_local_grads=self.dropped_local_grads,
             inner_state=move(self.inner_state, every.inner_state, fresh.inner_state),
+            outer_state=self.outer_state,
             refused_hint=self.refused_hint,
         )
 
 
 # What the wrapper does at a step: pass through (before start_step), a local step, a sync.
 PASS, LOCAL, SYNC = range(3)
+
+# How a sync averages: the two 1-bit backends of the compressed mean, or an exact float mean.
+SYNC_COLLECTIVES = (*collective_lib.COLLECTIVES, "float")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +188,7 @@ def local_step_sync(
     collective: str = "two_phase",
     mask: Any = None,
     fast_axis_name: str | None = None,
+    outer: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps of ``inner``, replaced by their 1-bit compressed average on sync steps.
 
@@ -193,6 +201,13 @@ def local_step_sync(
                            what = mask * C(u * w)             (w: the rule's weight, e.g. 1)
                            xbar <- xbar - what / w;  x <- xbar
                            inner state <- rule.after_sync(inner state, what, sum of lrs)
+
+    With an ``outer`` optimizer the averaged distance is a pseudo-gradient (DiLoCo's outer
+    step): ``delta = what / w``, ``(s, outer state) = outer.update(delta, outer state, xbar)``,
+    ``xbar <- xbar + s``. ``outer=optax.sgd(1.0)`` is the move above, to the bit; Nesterov
+    momentum (``optax.sgd(0.7, momentum=0.9, nesterov=True)``) around AdamW is DiLoCo
+    (:func:`~optax_zero_one.diloco`). ``C`` is 1-bit (``collective="two_phase"`` or ``"psum"``,
+    with error feedback) or, with ``collective="float"``, the exact float32 mean.
 
     A sync step is a step ``k > start_step`` the local-step policy names; the policy advances on
     every such ``k``. The update returned at a sync is ``xbar - x``, so ``apply_updates`` gives
@@ -219,11 +234,17 @@ def local_step_sync(
       rule: what a sync sends and resets (default :class:`ParamsAverage`; 0/1 Adam uses
         :class:`~optax_zero_one.FrozenAdamSync`, SGD with momentum :class:`MomentumAverage`).
       num_workers: needed only when ``init`` runs outside the mapped context.
-      collective: the backend of the compressed mean (``"two_phase"`` or ``"psum"``).
+      collective: how a sync averages: ``"two_phase"`` or ``"psum"`` (the 1-bit compressed
+        mean's backends) or ``"float"`` (an exact float32 mean: one all-reduce, no error
+        buffers).
       mask: optional tree of 0/1 like the params, multiplying the synchronised average.
       fast_axis_name: the axis inside a node; syncs are then hierarchical, exact over it and
-        1-bit only over ``axis_name`` (:func:`~optax_zero_one.onebit_mean`). Local steps stay
-        local: no communication, not even inside a node (``docs/hierarchical.md``).
+        1-bit only over ``axis_name`` (:func:`~optax_zero_one.onebit_mean`; a float sync
+        reduces inside the nodes first). Local steps stay local: no communication, not even
+        inside a node (``docs/hierarchical.md``).
+      outer: optional optax transformation applied at each sync to the averaged distance to
+        the last synchronised point (the pseudo-gradient), with the anchor as its params; its
+        state lives in this wrapper's state. ``None``: move by the average itself.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`LocalStepSyncState`;
@@ -238,10 +259,16 @@ def local_step_sync(
     """
     axes = _checks.worker_axes(axis_name, fast_axis_name)
     _checks.check_int("start_step", start_step, 0)
-    collective_lib.check_collective(collective)
-    collective_lib.check_hierarchy(fast_axis_name, collective)
+    if collective not in SYNC_COLLECTIVES:
+        raise ValueError(
+            f"local_step_sync's collective must be one of {SYNC_COLLECTIVES}, got {collective!r}."
+        )
+    exact = collective == "float"
+    if not exact:
+        collective_lib.check_hierarchy(fast_axis_name, collective)
     rule = rule or ParamsAverage()
     inner = optax.with_extra_args_support(inner)
+    outer = _checks.check_transformation("outer", outer)
     # Whether the first step after start_step is a sync whatever happens (LocalStepDoubling's
     # interval starts at 1): then a local step never has to take the synchronised point.
     first_is_sync = _static_truth(
@@ -257,22 +284,23 @@ def local_step_sync(
         borrowed = rule.errors(inner_state, start_step)
         own = (
             optax.EmptyState()
-            if borrowed is not None
+            if borrowed is not None or exact
             else collective_lib.init_state(params, axes, num_workers, collective)
+        )
+        anchor = jax.tree.map(
+            lambda p: jnp.array(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
         )
         state = LocalStepSyncState(
             count=jnp.zeros([], jnp.int32),
             local_step_policy=_checks.as_int32_state(local_step_policy.init()),
-            anchor=jax.tree.map(
-                lambda p: jnp.array(p, jnp.promote_types(jnp.result_type(p), jnp.float32)),
-                params,
-            ),
+            anchor=anchor,
             anchored=jnp.zeros([], bool),
             lr_sum=jnp.zeros([], jnp.float32),
             errors=own,
             skipped_updates=jnp.zeros([], jnp.int32),
             dropped_local_grads=jnp.zeros([], jnp.int32),
             inner_state=inner_state,
+            outer_state=optax.EmptyState() if outer is None else outer.init(anchor),
             refused_hint=_graph.no_refusals(),
         )
         return _graph.worker_state(state, axes)
@@ -317,7 +345,7 @@ def local_step_sync(
         out, inner_state = inner.update(grads, state.inner_state, params, **extra)
         out = jax.tree.map(lambda d, a: d.astype(a.dtype), out, state.anchor)
         lr_sum = state.lr_sum + rule.learning_rate_at(state.count)
-        anchor, own = state.anchor, state.errors
+        anchor, own, outer_state = state.anchor, state.errors, state.outer_state
         first = jnp.logical_not(state.anchored)  # the first step after start_step
         finite = jnp.ones([], bool)
         if branch == SYNC or not first_is_sync:
@@ -335,7 +363,15 @@ def local_step_sync(
             mean, new_errors, finite = _compressed(payload, errors)
             errors = _graph.keep_if(admit, new_errors, errors)
             finite = jnp.logical_and(finite, admit)
-            anchor = _averaged_step(rule, inner_state, anchor, mean, finite)
+            delta = _pseudo_gradient(rule, inner_state, mean)
+            if outer is None:
+                anchor = jax.tree.map(lambda a, m: jnp.where(finite, a - m, a), anchor, delta)
+            else:  # a non-finite outer step skips the sync as a non-finite mean does
+                moves, outer_state = outer.update(delta, outer_state, anchor)
+                finite = jnp.logical_and(finite, _graph.all_finite(moves))
+                anchor = jax.tree.map(
+                    lambda a, s: jnp.where(finite, a + s.astype(a.dtype), a), anchor, moves
+                )
             inner_state = rule.after_sync(inner_state, mean, lr_sum, finite)
             inner_state, own = _give_back(rule, inner_state, start_step, own, errors)
             out = jax.tree.map(lambda a, x: jnp.where(finite, a - x, jnp.nan), anchor, x)
@@ -350,12 +386,19 @@ def local_step_sync(
             skipped_updates=state.skipped_updates,
             dropped_local_grads=state.dropped_local_grads + drop.astype(jnp.int32),
             inner_state=inner_state,
+            outer_state=outer_state,
             refused_hint=state.refused_hint,
         )
         return _graph.keep_if_finite(finite, out, new_state, skipped)
 
     def _compressed(payload: Any, errors: Any) -> tuple[Any, Any, jax.Array]:
         values, in_form = flat.as_flat(payload, _checks.axis_size(axes))
+        if exact:  # no error feedback: the (borrowed) buffers are left as they are
+            mean = collective_lib.float_mean(values, axes)
+            mean = FlatTree(mean.buffer.astype(values.buffer.dtype), mean.layout)
+            masked = collective_lib.flat_mask(mask, values.layout, values.buffer.dtype)
+            mean = collective_lib.apply_mask(masked, mean)
+            return in_form(mean), errors, _graph.all_finite(mean.buffer)
         mean, errors, ok = collective_lib.masked_compressed_mean(
             values, errors, axes, collective, mask
         )
@@ -393,11 +436,10 @@ def _payload(rule: Any, inner_state: Any, anchor: Any, x: Any, step: Any) -> Any
     return u if weight is None else jax.tree.map(jnp.multiply, u, weight)
 
 
-def _averaged_step(rule: Any, inner_state: Any, anchor: Any, mean: Any, ok: jax.Array) -> Any:
-    """The new anchor ``xbar - what / w`` (unchanged if the mean is not finite)."""
+def _pseudo_gradient(rule: Any, inner_state: Any, mean: Any) -> Any:
+    """``what / w``: the averaged distance from the anchor (the anchor moves by minus it)."""
     weight = rule.weight(inner_state)
-    moved = mean if weight is None else jax.tree.map(jnp.divide, mean, weight)
-    return jax.tree.map(lambda a, m: jnp.where(ok, a - m, a), anchor, moved)
+    return mean if weight is None else jax.tree.map(jnp.divide, mean, weight)
 
 
 def _lent(rule: Any, inner_state: Any, start_step: Any, own: Any) -> Any:

@@ -167,6 +167,45 @@ class LocalStepDoubling(_IntervalDoubling):
 
 
 @dataclasses.dataclass(frozen=True)
+class SyncEvery:
+    """A local-step policy with a fixed gap: step ``k`` is a sync step if ``k % every == 0``.
+
+    DiLoCo's schedule (``every = H`` inner steps between outer steps). The test is on the
+    absolute step, as :class:`LocalStepDoubling`'s: with ``start_step`` a multiple of
+    ``every`` the first sync comes ``every`` steps after it.
+
+    Args:
+      every: ``H``, the steps between syncs; ``>= 1`` (1: a sync every step).
+
+    Example:
+      >>> sync_steps(SyncEvery(50), freeze_step=0, num_steps=200)
+      array([ 50, 100, 150, 200])
+
+    References:
+      Douillard et al., DiLoCo, arXiv:2311.08105 (Algorithm 1, ``H`` inner steps per round).
+    """
+
+    every: int = 50
+
+    def __post_init__(self) -> None:
+        _checks.check_int("sync_every", self.every, 1)
+
+    def init(self) -> tuple:
+        """No counters: the gap never changes."""
+        return ()
+
+    def is_sync_step(self, state: tuple, step: Any) -> Any:
+        """Whether step ``k`` is a multiple of ``every``."""
+        del state
+        return step % self.every == 0
+
+    def next(self, state: tuple, step: Any) -> tuple:
+        """Nothing to count."""
+        del step
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
 class FullPrecisionWarmup:
     """1-bit Adam's variance policy: every step up to ``freeze_step`` updates the variance.
 

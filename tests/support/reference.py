@@ -459,6 +459,74 @@ class OnebitAdam:
         self.step_count = k
 
 
+class DiLoCo:
+    """DiLoCo over ``N`` simulated workers (Douillard et al., arXiv:2311.08105, Algorithm 1),
+    written from the paper: every worker runs AdamW (optax's: bias-corrected moments, decoupled
+    weight decay) on its own gradients; every ``sync_every`` steps the workers average their
+    distance to the last synchronised point, ``delta = mean_i(xbar - x_i)`` (exactly, or through
+    :class:`CompressedMean` with ``compressed``), and Nesterov momentum moves ``xbar``:
+    ``t <- delta + mu t;  xbar <- xbar - lr_out (delta + mu t)``; every worker restarts there.
+    """
+
+    def __init__(
+        self,
+        params: list[np.ndarray],
+        num_workers: int,
+        inner_lr: float,
+        outer_lr: float,
+        outer_momentum: float,
+        sync_every: int,
+        compressed: bool = False,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        self.num_workers, self.num_leaves = num_workers, len(params)
+        self.inner_lr, self.outer_lr, self.outer_momentum = inner_lr, outer_lr, outer_momentum
+        self.sync_every = sync_every
+        self.b1, self.b2, self.eps, self.weight_decay = b1, b2, eps, weight_decay
+        self.x = _copy_params(params, num_workers)
+        self.anchor = [np.array(p, dtype=np.float64) for p in params]
+        self.m = _zeros_like_params(params, num_workers)
+        self.v = _zeros_like_params(params, num_workers)
+        self.trace = [np.zeros(np.shape(p)) for p in params]
+        self.compressor = (
+            CompressedMean([np.shape(p) for p in params], num_workers) if compressed else None
+        )
+        self.step_count = 0
+        self.last_kind = ""
+
+    def step(self, grads: list[list[np.ndarray]]) -> None:
+        """One inner step on every worker (``grads[worker][leaf]``), then the outer step if due."""
+        grads = _as_grads(grads, self.num_workers, self.num_leaves)
+        k = self.step_count + 1
+        b1, b2 = self.b1, self.b2
+        for i in range(self.num_workers):
+            for leaf in range(self.num_leaves):
+                g, x = grads[i][leaf], self.x[i][leaf]
+                self.m[i][leaf] = b1 * self.m[i][leaf] + (1 - b1) * g
+                self.v[i][leaf] = b2 * self.v[i][leaf] + (1 - b2) * g**2
+                m_hat = self.m[i][leaf] / (1 - b1**k)
+                v_hat = self.v[i][leaf] / (1 - b2**k)
+                d = m_hat / (np.sqrt(v_hat) + self.eps) + self.weight_decay * x
+                self.x[i][leaf] = x - self.inner_lr * d
+        self.last_kind = "local"
+        if k % self.sync_every == 0:
+            u = [
+                [self.anchor[leaf] - self.x[i][leaf] for leaf in range(self.num_leaves)]
+                for i in range(self.num_workers)
+            ]
+            delta = _float_mean(u) if self.compressor is None else self.compressor(u)
+            for leaf in range(self.num_leaves):
+                self.trace[leaf] = delta[leaf] + self.outer_momentum * self.trace[leaf]
+                nesterov = delta[leaf] + self.outer_momentum * self.trace[leaf]
+                self.anchor[leaf] = self.anchor[leaf] - self.outer_lr * nesterov
+            self.x = [[a.copy() for a in self.anchor] for _ in range(self.num_workers)]
+            self.last_kind = "sync"
+        self.step_count = k
+
+
 # --------------------------------------------------------------------------------------------
 # The psum backend (``collective="psum"``): every worker uses the mean of the workers' scales.
 

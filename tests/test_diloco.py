@@ -1,0 +1,302 @@
+"""DiLoCo (``diloco``, ``local_step_sync(..., outer=...)``, ``SyncEvery``, the float sync)
+against a float64 reference written from the paper, and its limits: with one step per round,
+outer SGD at rate 1, a float sync and an SGD inner optimizer it is synchronous data-parallel SGD;
+with ``outer=optax.sgd(1.0)`` it is today's model averaging, bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import test_step_kind_traffic as traffic  # its shard_map traffic helpers
+from support import reference
+from support.mapping import AXIS, mapped
+
+import optax_zero_one as ozo
+
+SHAPES = [(6, 5), (5,), (4, 3)]
+INNER_LR, OUTER_LR, MOMENTUM, H = 0.02, 0.7, 0.9, 4
+STEPS = 3 * H  # three outer steps
+
+
+def problem(n, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal(s) for s in SHAPES]
+    targets = [rng.standard_normal(s) for s in SHAPES]
+    curvature = rng.uniform(0.5, 2.0, size=n)  # each worker sees its own problem
+    noise = [[[rng.standard_normal(s) for s in SHAPES] for _ in range(n)] for _ in range(steps)]
+    return params, targets, curvature, noise
+
+
+def grads_at(xs, targets, curvature, noise):
+    return [
+        [c * (x - t) + 0.3 * z for x, t, z in zip(xw, targets, zw, strict=True)]
+        for xw, c, zw in zip(xs, curvature, noise, strict=True)
+    ]
+
+
+def layout(per_worker):
+    n = len(per_worker)
+    return [jnp.asarray(np.stack([per_worker[i][j] for i in range(n)]), jnp.float32) for j in
+            range(len(SHAPES))]  # fmt: skip
+
+
+def nesterov():
+    return optax.sgd(OUTER_LR, momentum=MOMENTUM, nesterov=True)
+
+
+def stepper(tx, n, hinted=None):
+    """A jitted step of ``tx`` over ``n`` vmapped workers: ``(x, state, grads) -> (x, state)``;
+    with ``hinted`` (a StepSchedule), one program per kind, chosen on the host."""
+
+    def step(x, s, g, kind=None):
+        u, s = tx.update(g, s, x, **({} if kind is None else {"step_kind": kind}))
+        return optax.apply_updates(x, u), s
+
+    if hinted is None:
+        run = mapped(step, "vmap", n)
+        return lambda k, x, s, g: run(x, s, g)
+    programs = {}
+
+    def run_kind(k, x, s, g):
+        kind = hinted.kind(k)
+        if kind.name not in programs:
+            programs[kind.name] = mapped(lambda x, s, g: step(x, s, g, kind), "vmap", n)
+        return programs[kind.name](x, s, g)
+
+    return run_kind
+
+
+@pytest.mark.parametrize("collective", ["float", "two_phase"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_follows_the_float64_reference(n, collective):
+    params, targets, curvature, noise = problem(n, STEPS)
+    ref = reference.DiLoCo(
+        params, n, INNER_LR, OUTER_LR, MOMENTUM, H, compressed=collective != "float"
+    )
+    tx = ozo.diloco(optax.adamw(INNER_LR, weight_decay=0.0), nesterov(), H, AXIS,
+                    collective=collective)  # fmt: skip
+    x = layout([params] * n)
+    state = mapped(tx.init, "vmap", n)(x)
+    run = stepper(tx, n)
+    for k in range(1, STEPS + 1):
+        grads = grads_at(ref.x, targets, curvature, noise[k - 1])
+        ref.step(grads)
+        x, state = run(k, x, state, layout(grads))
+        synced = ozo.synchronized_params(x, state)
+        for leaf in range(len(SHAPES)):
+            where = f"step {k} ({ref.last_kind}), leaf {leaf}"
+            for i in range(n):
+                np.testing.assert_allclose(x[leaf][i], ref.x[i][leaf], rtol=2e-4, atol=2e-5,
+                                           err_msg=f"{where}, worker {i}")  # fmt: skip
+            if ref.last_kind == "sync":
+                np.testing.assert_allclose(synced[leaf][0], ref.anchor[leaf], rtol=2e-4,
+                                           atol=2e-5, err_msg=where)  # fmt: skip
+    assert ref.last_kind == "sync" and int(state.count[0]) == STEPS
+    # the outer momentum is the reference's (identical on every worker)
+    trace = jax.tree.leaves(state.outer_state)
+    for leaf in range(len(SHAPES)):
+        np.testing.assert_allclose(trace[leaf][0], ref.trace[leaf], rtol=2e-4, atol=2e-5)
+        assert np.array_equal(trace[leaf], np.broadcast_to(trace[leaf][0], trace[leaf].shape))
+
+
+def test_one_step_rounds_of_sgd_with_a_float_sync_are_synchronous_sgd():
+    """H = 1, outer SGD at learning rate 1, float sync, SGD inside: every step moves the
+    synchronised point by ``-lr mean_i(g_i)``, as data-parallel SGD does."""
+    n, steps, lr = 4, 10, 0.05
+    params, targets, curvature, noise = problem(n, steps, seed=3)
+    tx = ozo.diloco(optax.sgd(lr), optax.sgd(1.0), 1, AXIS, collective="float")
+    sgd = optax.sgd(lr)
+    x = layout([params] * n)
+    state = mapped(tx.init, "vmap", n)(x)
+    run = stepper(tx, n)
+    plain = [jnp.asarray(p, jnp.float32) for p in params]
+    plain_state = sgd.init(plain)
+    for k in range(1, steps + 1):
+        host = [[np.asarray(plain[j]) for j in range(len(SHAPES))]] * n
+        grads = grads_at(host, targets, curvature, noise[k - 1])
+        x, state = run(k, x, state, layout(grads))
+        mean = [jnp.asarray(np.mean([g[j] for g in grads], 0), jnp.float32) for j in
+                range(len(SHAPES))]  # fmt: skip
+        u, plain_state = sgd.update(mean, plain_state, plain)
+        plain = optax.apply_updates(plain, u)
+        for leaf in range(len(SHAPES)):
+            np.testing.assert_allclose(x[leaf], np.broadcast_to(plain[leaf], x[leaf].shape),
+                                       rtol=1e-5, atol=1e-6, err_msg=f"step {k}")  # fmt: skip
+
+
+@pytest.mark.parametrize("collective", ["two_phase", "psum"])
+def test_outer_sgd_at_rate_one_is_plain_averaging_bit_for_bit(collective):
+    n = 4
+    params, targets, curvature, noise = problem(n, STEPS, seed=1)
+    policy = ozo.LocalStepDoubling(scaler=3, clipper=4)
+    inner = optax.adam(0.02)
+    runs = []
+    for outer in (None, optax.sgd(1.0)):
+        tx = ozo.local_step_sync(inner, policy, AXIS, collective=collective, outer=outer)
+        x = layout([params] * n)
+        state = mapped(tx.init, "vmap", n)(x)
+        run, xs = stepper(tx, n), [params] * n
+        for k in range(1, STEPS + 1):
+            x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
+            xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+        runs.append((x, state.anchor))
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_hinted_steps_follow_the_in_graph_steps():
+    """The host's kinds are the counters' kinds (a wrong hint would be refused and the state
+    left behind), and the hinted programs give the in-graph numbers to float32 rounding: the
+    inner optax transform fuses differently inside a conditional (measured: up to 1.2e-7
+    apart at the first local step, the same for ``outer=None``), so not to the bit."""
+    n = 4
+    params, targets, curvature, noise = problem(n, STEPS, seed=2)
+    tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, AXIS, collective="two_phase")
+    schedule = ozo.diloco_schedule(H)
+    assert [schedule.kind(k).name for k in range(1, 2 * H + 1)] == (["local"] * (H - 1) + [
+        "sync"]) * 2  # fmt: skip
+    finals = []
+    for hinted in (None, schedule):
+        x = layout([params] * n)
+        state = mapped(tx.init, "vmap", n)(x)
+        run, xs = stepper(tx, n, hinted), [params] * n
+        for k in range(1, STEPS + 1):
+            x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
+            xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+        finals.append((x, state))
+    assert finals[1][1].refused_hint[0].tolist() == [0, 0]
+    for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_from_a_saved_state_is_exact():
+    """The outer momentum is part of the state: 2 rounds, save (to host), 1 more round equals
+    3 rounds straight."""
+    n = 2
+    params, targets, curvature, noise = problem(n, STEPS, seed=4)
+    tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, AXIS, collective="two_phase")
+    run = stepper(tx, n)
+
+    def train(x, state, first, last):
+        for k in range(first, last + 1):
+            xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+            x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
+        return x, state
+
+    x0 = layout([params] * n)
+    straight = train(x0, mapped(tx.init, "vmap", n)(x0), 1, STEPS)
+    x, state = train(x0, mapped(tx.init, "vmap", n)(x0), 1, 2 * H)
+    saved = jax.tree.map(np.asarray, (x, state))  # what a checkpoint writes
+    restored = jax.tree.map(jnp.asarray, saved)
+    resumed = train(*restored, 2 * H + 1, STEPS)
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_non_finite_outer_step_skips_the_sync():
+    """An outer optimizer whose step overflows: the sync is skipped on every worker (anchor,
+    outer state and counters kept, ``skipped_updates`` counts it); the run goes on."""
+    n = 2
+    params, targets, curvature, noise = problem(n, STEPS, seed=5)
+    blow_up = optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree.map(lambda x: x * jnp.inf, u), s),
+    )
+    tx = ozo.diloco(optax.sgd(INNER_LR), blow_up, H, AXIS)
+    x = layout([params] * n)
+    state = mapped(tx.init, "vmap", n)(x)
+    run, xs = stepper(tx, n), [params] * n
+    for k in range(1, H + 1):
+        x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
+        xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+    assert np.asarray(state.skipped_updates).tolist() == [1, 1]
+    for anchor, p in zip(state.anchor, params, strict=True):
+        np.testing.assert_array_equal(anchor, np.broadcast_to(np.float32(p), anchor.shape))
+    assert all(np.isfinite(leaf).all() for leaf in x)
+
+
+@pytest.mark.parametrize("collective", ["float", "two_phase"])
+def test_what_each_step_kind_sends(collective):
+    """On 8 simulated devices under shard_map: a local step sends nothing; a sync one float32
+    all-reduce of the flat buffer (``"float"``) or the 1-bit mean's all-to-all and all-gather."""
+    tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, AXIS, collective=collective)
+    schedule = ozo.diloco_schedule(H)
+    local = traffic.stats_at(tx, schedule.kind(1))
+    assert local.count() == 0 and local.sent_bytes_per_device == 0, local.table()
+    sync = traffic.stats_at(tx, schedule.kind(H))
+    (traffic.assert_float_allreduce if collective == "float" else traffic.assert_one_bit)(sync)
+
+
+def test_muloco_shape_muon_inside_one_bit_sync():
+    """MuLoCo's shape: Muon as the inner optimizer (on the leaves' own shapes: no flattening),
+    1-bit syncs with error feedback. Workers agree after every sync and the loss falls."""
+    n, steps = 4, 4 * H
+    params, targets, curvature, noise = problem(n, steps, seed=6)
+    tx = ozo.diloco(optax.contrib.muon(0.02), nesterov(), H, AXIS, collective="two_phase")
+    x = layout([params] * n)
+    state = mapped(tx.init, "vmap", n)(x)
+    run, xs = stepper(tx, n), [params] * n
+
+    def loss(leaves):
+        return sum(float(np.sum((np.asarray(a) - t) ** 2)) for a, t in zip(leaves, targets))
+
+    start = loss(params)
+    for k in range(1, steps + 1):
+        x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
+        xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+        if k % H == 0:
+            for leaf in x:
+                ulp = float(jnp.finfo(jnp.float32).eps * jnp.max(jnp.abs(leaf)))
+                assert float(jnp.max(jnp.abs(leaf - leaf[0]))) <= 2 * ulp
+    assert loss(xs[0]) < 0.8 * start  # measured: 88.5 -> 64.4 in 16 steps
+
+
+def test_bad_arguments_are_refused_at_construction():
+    with pytest.raises(ValueError, match="outer optimizer"):
+        ozo.diloco(optax.adamw(1e-3), None, 50, AXIS)
+    with pytest.raises(TypeError, match="outer must be an optax.GradientTransformation"):
+        ozo.local_step_sync(optax.sgd(0.1), ozo.SyncEvery(5), AXIS, outer=0.7)
+    with pytest.raises(ValueError, match="sync_every must be an integer >= 1"):
+        ozo.diloco(optax.adamw(1e-3), optax.sgd(1.0), 0, AXIS)
+    with pytest.raises(ValueError, match=r"collective must be one of .*'float'"):
+        ozo.diloco(optax.adamw(1e-3), optax.sgd(1.0), 50, AXIS, collective="bf16")
+
+
+def test_float_sync_over_a_fast_axis_matches_the_flat_float_sync():
+    """Hierarchical float sync on (node, local) = 2 x 2 workers: the same numbers as over 4
+    flat workers (a float mean has no compression to split), to rounding."""
+    n = 4
+    params, targets, curvature, noise = problem(n, 2 * H, seed=7)
+    flat_tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, AXIS, collective="float")
+    tree_tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, "node", collective="float",
+                         fast_axis_name="local")  # fmt: skip
+
+    def nested(fn):
+        inner = jax.vmap(fn, axis_name="local")
+        outer = jax.jit(jax.vmap(inner, axis_name="node"))
+
+        def call(*args):
+            split = jax.tree.map(lambda a: a.reshape(2, 2, *a.shape[1:]), args)
+            return jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), outer(*split))
+
+        return call
+
+    def step(tx):
+        def one(x, s, g):
+            u, s = tx.update(g, s, x)
+            return optax.apply_updates(x, u), s
+
+        return one
+
+    x0 = layout([params] * n)
+    results = []
+    for tx, lift in ((flat_tx, lambda f: mapped(f, "vmap", n)), (tree_tx, nested)):
+        x, state = x0, lift(tx.init)(x0)
+        run, xs = lift(step(tx)), [params] * n
+        for k in range(1, 2 * H + 1):
+            x, state = run(x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
+            xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+        results.append(x)
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
