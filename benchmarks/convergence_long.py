@@ -156,6 +156,14 @@ def recipe(name: str, cfg: Any, workload: Any) -> dict[str, Any]:
         return zero_one
     if name == "local_adam":
         return {"full_precision_steps": variance.freeze_step, **zero_one}
+    if name.startswith(("diloco", "muloco")):
+        return {
+            "inner": "optax.contrib.muon" if name.startswith("muloco") else "optax.adamw",
+            "sync_every": cfg.sync_every,
+            "outer": f"optax.sgd({cfg.outer_lr}, momentum={cfg.outer_momentum}, nesterov=True)",
+            "collective": "float" if name.endswith("_float") else "two_phase",
+            **({"muon_lr_ratio": cfg.muon_lr_ratio} if name.startswith("muloco") else {}),
+        }
     if name == "onebit_adam":
         out: dict[str, Any] = {"freeze_step": cfg.onebit_freeze_step()}
         if cfg.onebit_rare_mask:

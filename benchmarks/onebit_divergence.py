@@ -106,11 +106,19 @@ QUICK = Setup(
 
 
 def base_config(seed: int, lr: float, **changes: Any) -> Any:
-    """The study's 1-bit Adam config for a 10,000-step run (``changes`` on top)."""
-    from benchmarks import convergence_long
+    """The 1-bit Adam config of the first 10,000-step study (pydoc, freeze 15%, no rare-row
+    mask; convergence_long has since moved to the standard library's sources and the authors'
+    recipes), ``changes`` on top."""
+    from benchmarks.support import training
 
-    study = convergence_long.PRESETS["long"]
-    cfg = study.config("onebit_adam", study.long_steps, lr, seed, study.long_eval_every)
+    cfg = dataclasses.replace(
+        training.PRESETS[("char_lm", "full")],
+        steps=10_000,
+        peak_lr=lr,
+        seed=seed,
+        eval_every=250,
+        optimizers=("onebit_adam",),
+    )
     return dataclasses.replace(cfg, **changes)
 
 
@@ -625,7 +633,10 @@ def _study_seed1() -> dict[str, Any] | None:
     path = ROOT / "results" / "convergence_long.json"
     if not path.exists():
         return None
-    run = json.loads(path.read_text())["runs"].get("long/onebit_adam/1")
+    saved = json.loads(path.read_text())
+    if saved.get("corpus", {}).get("corpus", "pydoc") != "pydoc":  # a later study (git history)
+        return None
+    run = saved["runs"].get("long/onebit_adam/1")
     return None if run is None else {"step": run["val"]["step"], "loss": run["val"]["loss"]}
 
 

@@ -38,6 +38,10 @@ EXTRA = ("zero_one_adam_psum", "onebit_grad_adam", "local_adam")
 # On a (node, local) mesh (--mesh): 0/1 Adam whose gradients are first averaged inside each node,
 # so that local steps average there too (docs/hierarchical.md, "Local steps").
 MESH_EXTRA = ("zero_one_adam_node_mean",)
+# DiLoCo's family (benchmarks.diloco): AdamW (Muon for MuLoCo) inside, Nesterov momentum
+# outside (lr 0.7, momentum 0.9, Douillard et al.), a sync every ``sync_every`` steps; the
+# average of the deltas exact in float32 or 1-bit with error feedback.
+LOCO = ("diloco_float", "diloco_1bit", "muloco_1bit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,10 @@ class Config:
     onebit_rare_mask: int = 0
     kappa: int = 16
     clipper: int = 16
+    sync_every: int = 50  # DiLoCo's H
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    muon_lr_ratio: float = 5.0  # MuLoCo: Muon's peak rate over ``peak_lr`` (AdamW's, non-matrix)
     seed: int = 0
     optimizers: tuple[str, ...] = OPTIMIZERS
     mesh: tuple[int, ...] = ()  # (nodes, local): hierarchical compression; (): 8 flat workers
@@ -176,7 +184,28 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
         )
         tx = ozo.local_step_sync(inner, local, start_step=warmup.freeze_step, mask=mask, **axes)
         return common.zero_one_spec(name, ozo.flatten(tx, **axes), warmup, local)
-    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS + EXTRA + MESH_EXTRA}")
+    if name in LOCO:
+        inner = (
+            optax.contrib.muon(
+                lambda count: cfg.muon_lr_ratio * lr(count),
+                adam_learning_rate=lr,
+                weight_decay=cfg.weight_decay,
+                adam_weight_decay=cfg.weight_decay,
+                adam_b1=cfg.b1,
+                adam_b2=cfg.b2,
+            )
+            if name.startswith("muloco")
+            else optax.adamw(lr, weight_decay=cfg.weight_decay, **adam)
+        )
+        outer = optax.sgd(cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+        collective = "float" if name.endswith("_float") else "two_phase"
+        tx = ozo.diloco(inner, outer, cfg.sync_every, collective=collective, mask=mask, **axes)
+        if not name.startswith("muloco"):  # Muon needs the leaves' own shapes
+            tx = ozo.flatten(tx, **axes)
+        warmup, sync = ozo.FullPrecisionWarmup(0), ozo.SyncEvery(cfg.sync_every)
+        return common.zero_one_spec(name, tx, warmup, sync)
+    known = OPTIMIZERS + EXTRA + MESH_EXTRA + LOCO
+    raise ValueError(f"unknown optimizer {name!r}; choose from {known}")
 
 
 # Compiled programs, per configuration without its seed (the seed changes data, not programs),

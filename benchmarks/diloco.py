@@ -1,0 +1,174 @@
+"""DiLoCo's family against AdamW and 0/1 Adam: validation loss against the bytes each worker sends.
+
+Run as ``python -m benchmarks.diloco [--quick] [--resume]``.
+
+The char-level GPT and text of :mod:`benchmarks.convergence_long` (the standard library's
+sources, 8 simulated workers, warm-up then cosine decay), trained for the same number of steps
+by:
+
+- ``adamw``: ``optax.adamw`` on float32 ``pmean``-averaged gradients, every step;
+- ``zero_one_adam``: 0/1 Adam on its recipe (convergence_long's);
+- ``diloco_float``: DiLoCo (Douillard et al., arXiv:2311.08105): AdamW inside, a float32
+  average of the workers' deltas every ``H = 50`` steps, Nesterov momentum outside (lr 0.7,
+  momentum 0.9): ``ozo.diloco(optax.adamw(...), optax.sgd(0.7, momentum=0.9, nesterov=True),
+  50, "w", collective="float")``;
+- ``diloco_1bit``: the same with ``collective="two_phase"`` (the delta 1-bit compressed with
+  error feedback): one argument apart;
+- ``muloco_1bit``: MuLoCo's shape (Thérien et al., arXiv:2505.23725): ``optax.contrib.muon``
+  inside (its matrices at ``5 x`` the peak rate, other leaves on Muon's AdamW at the peak rate),
+  1-bit deltas (the paper: 2 bits).
+
+Protocol (convergence_long's, shorter): a sweep of the peak learning rate over ``lrs`` at
+``sweep_steps`` on seed 0 (no extension: the run is short); then ``long_steps`` at each best rate,
+3 seeds for AdamW and the two DiLoCo rows (the headline claims), 1 for the others. Bytes per
+worker are read from each step kind's compiled program. Writes ``results/diloco.{json,png,md}``
+(``--quick``: ``diloco_quick``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+
+import math  # noqa: E402
+import pathlib  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from benchmarks import convergence_long as cl  # noqa: E402
+from benchmarks.support import common  # noqa: E402
+
+OPTIMIZERS = ("adamw", "zero_one_adam", "diloco_float", "diloco_1bit", "muloco_1bit")
+FAMILY = ("diloco_float", "diloco_1bit", "muloco_1bit")
+
+PRESETS = {
+    # ~20 min on 2 cores at ~63 ms per step
+    "full": cl.Study(
+        sweep_steps=400,
+        long_steps=800,
+        lrs=(4e-3, 8e-3),
+        max_extensions=0,
+        sweep_eval_every=200,
+        long_eval_every=80,
+        train_loss_block=50,
+        optimizers=OPTIMIZERS,
+        fewer_seeds=(("zero_one_adam", (0,)), ("muloco_1bit", (0,))),
+    ),
+    # a few-minute check of the pipeline, no claims
+    "quick": cl.Study(
+        sweep_steps=100,
+        long_steps=150,
+        lrs=(4e-3,),
+        max_extensions=0,
+        seeds=(0,),
+        sweep_eval_every=50,
+        long_eval_every=50,
+        train_loss_block=25,
+        optimizers=OPTIMIZERS,
+    ),
+}
+
+
+def _pct(a: float, b: float) -> float:
+    return round(100 * (a - b) / b, 3)
+
+
+def summarize(per_opt: dict[str, Any]) -> dict[str, Any]:
+    """The claims: DiLoCo 1-bit against DiLoCo float; the family's best against AdamW and
+    0/1 Adam (loss gaps in % of the other's mean final loss; bytes reductions in %)."""
+    out: dict[str, Any] = {}
+    loss = {n: r["final_val_loss_mean"] for n, r in per_opt.items()}
+    sent = {n: r["bytes_per_worker"] for n, r in per_opt.items()}
+    if {"diloco_float", "diloco_1bit"} <= set(per_opt):
+        out["diloco_1bit_gap_to_diloco_float_pct"] = _pct(loss["diloco_1bit"], loss["diloco_float"])
+        out["diloco_1bit_bytes_reduction_vs_float_pct"] = round(
+            100 * (1 - sent["diloco_1bit"] / sent["diloco_float"]), 3
+        )
+    family = [n for n in FAMILY if n in per_opt and math.isfinite(loss[n])]
+    if family and "adamw" in per_opt:
+        best = min(family, key=loss.get)
+        out["best_of_family"] = best
+        out["best_gap_to_adamw_pct"] = _pct(loss[best], loss["adamw"])
+        out["best_bytes_reduction_vs_adamw_pct"] = round(100 * (1 - sent[best] / sent["adamw"]), 3)
+        if "zero_one_adam" in per_opt:
+            out["best_gap_to_zero_one_adam_pct"] = _pct(loss[best], loss["zero_one_adam"])
+            out["best_bytes_vs_zero_one_adam"] = round(sent[best] / sent["zero_one_adam"], 4)
+    if "diloco_1bit_gap_to_diloco_float_pct" in out and "best_gap_to_adamw_pct" in out:
+        out["claims"] = {
+            "diloco_1bit_within_2pct_of_float": out["diloco_1bit_gap_to_diloco_float_pct"] <= 2,
+            "diloco_1bit_95pct_fewer_bytes": out["diloco_1bit_bytes_reduction_vs_float_pct"] >= 95,
+            "best_within_2pct_of_adamw": out["best_gap_to_adamw_pct"] <= 2,
+            "best_99_5pct_fewer_bytes_than_adamw": out["best_bytes_reduction_vs_adamw_pct"] >= 99.5,
+        }
+    return out
+
+
+def plot(result: dict[str, Any], path: pathlib.Path) -> None:
+    """Validation loss against MB sent per worker (log x), mean over each row's seeds."""
+    plt = common.pyplot()
+    fig, (bytes_ax, step_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    runs = result["runs"]
+    for name, r in result["optimizers"].items():
+        curves = [runs[f"long/{name}/{s}"]["val"] for s in r["seeds"]]
+        loss = np.asarray([c["loss"] for c in curves], np.float64).mean(0)
+        mb = np.asarray(curves[0]["bytes"]) / 1e6
+        label = f"{name} ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})"
+        (line,) = bytes_ax.plot(mb[1:], loss[1:], marker=".", label=label)
+        step_ax.plot(curves[0]["step"], loss, color=line.get_color(), label=label)
+    bytes_ax.set(xscale="log", xlabel="MB sent per worker (log)", ylabel="validation loss",
+                 title="validation loss against communication")  # fmt: skip
+    step_ax.set(xlabel="step", ylabel="validation loss", title="validation loss against steps")
+    low = min(r["lowest_val_loss_mean"] for r in result["optimizers"].values())
+    for ax in (bytes_ax, step_ax):
+        ax.set_ylim(low - 0.05, low + 0.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['num_workers']} workers: {result['workload'].split(';')[0]}", fontsize=9)
+    common.save_figure(fig, path)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    study = result["study"]
+    lines = [
+        f"# DiLoCo's family: {result['workload']}",
+        "",
+        cl.table(result),
+        "",
+        cl.time_table(result),
+        "",
+        *(f"- {k}: {v}" for k, v in result["diloco_summary"].items()),
+        f"- sweep: {study['sweep_steps']:,} steps at peak LR {study['lrs']}, seed "
+        f"{study['sweep_seed']}; long runs: {study['long_steps']:,} steps, seeds {study['seeds']}"
+        + "".join(f" ({n}: seeds {s})" for n, s in study["fewer_seeds"]),
+        *(
+            f"- {name}'s recipe: {r['recipe'] or 'the shared schedule only'}"
+            for name, r in result["optimizers"].items()
+        ),
+        f"- this process: wall {result['wall_seconds_this_process']:.0f} s",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = common.argument_parser("benchmarks.diloco", __doc__)
+    parser.add_argument("--quick", action="store_true", help="a few-minute check, no claims")
+    parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    study = PRESETS["quick" if args.quick else "full"]
+    stem = "diloco" + ("_quick" if args.quick else "")
+    result = cl.run(study, args.out_dir, stem, resume=args.resume, progress=not args.no_progress)
+    result["benchmark"] = "diloco"
+    result["diloco_summary"] = summarize(result["optimizers"])
+    result = cl._finite_or_none(result)
+    paths = common.write_results(args.out_dir / f"{stem}.json", result, markdown(result), plot)
+    (args.out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
+    print(markdown(result))
+    print(f"wrote {', '.join(map(str, paths))}")
+
+
+if __name__ == "__main__":
+    main()
