@@ -73,7 +73,8 @@ LATENCY_US = 50.0  # per collective launch, an assumption (Ethernet-class, as co
 #   local_step_scaler alpha = 0.22 T (DeepSpeed's 32,678 of a ~150k-step run), H = 16, kappa = 16;
 #   local Adam follows 0/1 Adam's freeze and sync schedule;
 # - 1-bit Adam freezes at 15% of the run (DeepSpeed: 15-25%) with a momentum mask on the
-#   token-embedding rows of characters seen fewer than 100 times (onebit_divergence.md);
+#   token-embedding rows of characters seen fewer than 100 times
+#   (docs/benchmarks/onebit_divergence.md);
 # - AdamW and the naive compositions take the shared schedule only.
 # The text: the standard library's sources (21.8M training characters), which 10,000 steps of
 # 8 x 4 windows of 65 characters do not exhaust.

@@ -50,6 +50,8 @@ SLOW_TESTS = {
     "test_collective.py::test_same_mean_under_every_mapping_and_on_every_worker",
     "test_data_parallel.py::test_two_processes_train_as_one",
     "test_deepspeed.py::test_zero_one_adam_keys_map_to_arguments",
+    "test_diloco.py::test_float_sync_over_a_fast_axis_matches_the_flat_float_sync",
+    "test_diloco.py::test_muloco_shape_muon_inside_one_bit_sync",
     "test_generic.py::test_inject_hyperparams",
     "test_hierarchical.py::test_a_node_of_one_worker_is_the_flat_optimizer_bitwise",
     "test_hierarchical.py::test_compiled_program_groups_and_bytes_over_the_slow_axis",
