@@ -533,9 +533,23 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     common.save_figure(fig, path)
 
 
+def protocol_lines(result: dict[str, Any]) -> list[str]:
+    """The report's lines on the protocol (sweep, long runs, seeds) and each recipe."""
+    study = result["study"]
+    return [
+        f"- sweep: {study['sweep_steps']:,} steps at peak LR {study['lrs']}, seed "
+        f"{study['sweep_seed']}; long runs: {study['long_steps']:,} steps, seeds {study['seeds']}"
+        + "".join(f" ({n}: seeds {s})" for n, s in study["fewer_seeds"]),
+        *(
+            f"- {name}'s recipe: {r['recipe'] or 'the shared schedule only'}"
+            for name, r in result["optimizers"].items()
+        ),
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The tables, the claims and the settings, as a short Markdown report."""
-    s, study, seen = result["summary"], result["study"], result["text_seen"]
+    s, seen = result["summary"], result["text_seen"]
     lines = [
         f"# Convergence at length: {result['workload']}",
         "",
@@ -544,13 +558,7 @@ def markdown(result: dict[str, Any]) -> str:
         time_table(result),
         "",
         *(f"- {key}: {value}" for key, value in s.items()),
-        f"- sweep: {study['sweep_steps']:,} steps at peak LR {study['lrs']}, seed "
-        f"{study['sweep_seed']}; long runs: {study['long_steps']:,} steps, seeds {study['seeds']}"
-        + "".join(f" ({n}: seeds {s})" for n, s in study["fewer_seeds"]),
-        *(
-            f"- {name}'s recipe: {r['recipe'] or 'the shared schedule only'}"
-            for name, r in result["optimizers"].items()
-        ),
+        *protocol_lines(result),
         f"- text: {result['corpus'].get('corpus')} (sha256 {result['corpus'].get('sha256')}); a "
         f"long run reads {seen['chars_seen']:,} characters, {seen['epochs']} times the "
         f"{seen['chars_train']:,} training characters",

@@ -130,7 +130,6 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    study = result["study"]
     lines = [
         f"# DiLoCo's family: {result['workload']}",
         "",
@@ -139,13 +138,7 @@ def markdown(result: dict[str, Any]) -> str:
         cl.time_table(result),
         "",
         *(f"- {k}: {v}" for k, v in result["diloco_summary"].items()),
-        f"- sweep: {study['sweep_steps']:,} steps at peak LR {study['lrs']}, seed "
-        f"{study['sweep_seed']}; long runs: {study['long_steps']:,} steps, seeds {study['seeds']}"
-        + "".join(f" ({n}: seeds {s})" for n, s in study["fewer_seeds"]),
-        *(
-            f"- {name}'s recipe: {r['recipe'] or 'the shared schedule only'}"
-            for name, r in result["optimizers"].items()
-        ),
+        *cl.protocol_lines(result),
         f"- this process: wall {result['wall_seconds_this_process']:.0f} s",
     ]
     return "\n".join(lines) + "\n"
