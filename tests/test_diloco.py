@@ -45,26 +45,45 @@ def nesterov():
     return optax.sgd(OUTER_LR, momentum=MOMENTUM, nesterov=True)
 
 
-def stepper(tx, n, hinted=None):
-    """A jitted step of ``tx`` over ``n`` vmapped workers: ``(x, state, grads) -> (x, state)``;
-    with ``hinted`` (a StepSchedule), one program per kind, chosen on the host."""
+def stepper(tx, n, hinted=None, lift=None):
+    """A jitted step of ``tx`` over ``n`` vmapped workers (or lifted by ``lift``):
+    ``(k, x, state, grads) -> (x, state)``; with ``hinted`` (a StepSchedule), one program per
+    kind, chosen on the host."""
+    lift = lift or (lambda fn: mapped(fn, "vmap", n))
 
     def step(x, s, g, kind=None):
         u, s = tx.update(g, s, x, **({} if kind is None else {"step_kind": kind}))
         return optax.apply_updates(x, u), s
 
     if hinted is None:
-        run = mapped(step, "vmap", n)
+        run = lift(step)
         return lambda k, x, s, g: run(x, s, g)
     programs = {}
 
     def run_kind(k, x, s, g):
         kind = hinted.kind(k)
         if kind.name not in programs:
-            programs[kind.name] = mapped(lambda x, s, g: step(x, s, g, kind), "vmap", n)
+            programs[kind.name] = lift(lambda x, s, g: step(x, s, g, kind))
         return programs[kind.name](x, s, g)
 
     return run_kind
+
+
+def worker_views(x):
+    """``x`` (leaves with a leading worker axis) as ``[worker][leaf]`` host arrays."""
+    return [[np.asarray(leaf[i]) for leaf in x] for i in range(len(x[0]))]
+
+
+def train(run, x, state, prob, first, last, after=None):
+    """Steps ``first..last`` of ``run`` (a :func:`stepper`) on ``prob``'s gradients at each
+    worker's own params; ``after(k, x)`` is called after step ``k``."""
+    _, targets, curvature, noise = prob
+    for k in range(first, last + 1):
+        grads = grads_at(worker_views(x), targets, curvature, noise[k - 1])
+        x, state = run(k, x, state, layout(grads))
+        if after is not None:
+            after(k, x)
+    return x, state
 
 
 @pytest.mark.parametrize("collective", ["float", "two_phase"])
@@ -128,7 +147,8 @@ def test_one_step_rounds_of_sgd_with_a_float_sync_are_synchronous_sgd():
 @pytest.mark.parametrize("collective", ["two_phase", "psum"])
 def test_outer_sgd_at_rate_one_is_plain_averaging_bit_for_bit(collective):
     n = 4
-    params, targets, curvature, noise = problem(n, STEPS, seed=1)
+    prob = problem(n, STEPS, seed=1)
+    params = prob[0]
     policy = ozo.LocalStepDoubling(scaler=3, clipper=4)
     inner = optax.adam(0.02)
     runs = []
@@ -136,10 +156,7 @@ def test_outer_sgd_at_rate_one_is_plain_averaging_bit_for_bit(collective):
         tx = ozo.local_step_sync(inner, policy, AXIS, collective=collective, outer=outer)
         x = layout([params] * n)
         state = mapped(tx.init, "vmap", n)(x)
-        run, xs = stepper(tx, n), [params] * n
-        for k in range(1, STEPS + 1):
-            x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
-            xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+        x, state = train(stepper(tx, n), x, state, prob, 1, STEPS)
         runs.append((x, state.anchor))
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1]), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -151,7 +168,8 @@ def test_hinted_steps_follow_the_in_graph_steps():
     inner optax transform fuses differently inside a conditional (measured: up to 1.2e-7
     apart at the first local step, the same for ``outer=None``), so not to the bit."""
     n = 4
-    params, targets, curvature, noise = problem(n, STEPS, seed=2)
+    prob = problem(n, STEPS, seed=2)
+    params = prob[0]
     tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, AXIS, collective="two_phase")
     schedule = ozo.diloco_schedule(H)
     assert [schedule.kind(k).name for k in range(1, 2 * H + 1)] == (["local"] * (H - 1) + [
@@ -160,11 +178,7 @@ def test_hinted_steps_follow_the_in_graph_steps():
     for hinted in (None, schedule):
         x = layout([params] * n)
         state = mapped(tx.init, "vmap", n)(x)
-        run, xs = stepper(tx, n, hinted), [params] * n
-        for k in range(1, STEPS + 1):
-            x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
-            xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
-        finals.append((x, state))
+        finals.append(train(stepper(tx, n, hinted), x, state, prob, 1, STEPS))
     assert finals[1][1].refused_hint[0].tolist() == [0, 0]
     for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -174,22 +188,15 @@ def test_resume_from_a_saved_state_is_exact():
     """The outer momentum is part of the state: 2 rounds, save (to host), 1 more round equals
     3 rounds straight."""
     n = 2
-    params, targets, curvature, noise = problem(n, STEPS, seed=4)
+    prob = problem(n, STEPS, seed=4)
     tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, AXIS, collective="two_phase")
     run = stepper(tx, n)
-
-    def train(x, state, first, last):
-        for k in range(first, last + 1):
-            xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
-            x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
-        return x, state
-
-    x0 = layout([params] * n)
-    straight = train(x0, mapped(tx.init, "vmap", n)(x0), 1, STEPS)
-    x, state = train(x0, mapped(tx.init, "vmap", n)(x0), 1, 2 * H)
+    x0 = layout([prob[0]] * n)
+    straight = train(run, x0, mapped(tx.init, "vmap", n)(x0), prob, 1, STEPS)
+    x, state = train(run, x0, mapped(tx.init, "vmap", n)(x0), prob, 1, 2 * H)
     saved = jax.tree.map(np.asarray, (x, state))  # what a checkpoint writes
     restored = jax.tree.map(jnp.asarray, saved)
-    resumed = train(*restored, 2 * H + 1, STEPS)
+    resumed = train(run, *restored, prob, 2 * H + 1, STEPS)
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -198,7 +205,8 @@ def test_a_non_finite_outer_step_skips_the_sync():
     """An outer optimizer whose step overflows: the sync is skipped on every worker (anchor,
     outer state and counters kept, ``skipped_updates`` counts it); the run goes on."""
     n = 2
-    params, targets, curvature, noise = problem(n, STEPS, seed=5)
+    prob = problem(n, STEPS, seed=5)
+    params = prob[0]
     blow_up = optax.GradientTransformation(
         lambda p: optax.EmptyState(),
         lambda u, s, p=None: (jax.tree.map(lambda x: x * jnp.inf, u), s),
@@ -206,10 +214,7 @@ def test_a_non_finite_outer_step_skips_the_sync():
     tx = ozo.diloco(optax.sgd(INNER_LR), blow_up, H, AXIS)
     x = layout([params] * n)
     state = mapped(tx.init, "vmap", n)(x)
-    run, xs = stepper(tx, n), [params] * n
-    for k in range(1, H + 1):
-        x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
-        xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+    x, state = train(stepper(tx, n), x, state, prob, 1, H)
     assert np.asarray(state.skipped_updates).tolist() == [1, 1]
     for anchor, p in zip(state.anchor, params, strict=True):
         np.testing.assert_array_equal(anchor, np.broadcast_to(np.float32(p), anchor.shape))
@@ -232,24 +237,24 @@ def test_muloco_shape_muon_inside_one_bit_sync():
     """MuLoCo's shape: Muon as the inner optimizer (on the leaves' own shapes: no flattening),
     1-bit syncs with error feedback. Workers agree after every sync and the loss falls."""
     n, steps = 4, 4 * H
-    params, targets, curvature, noise = problem(n, steps, seed=6)
+    prob = problem(n, steps, seed=6)
+    params, targets = prob[0], prob[1]
     tx = ozo.diloco(optax.contrib.muon(0.02), nesterov(), H, AXIS, collective="two_phase")
     x = layout([params] * n)
     state = mapped(tx.init, "vmap", n)(x)
-    run, xs = stepper(tx, n), [params] * n
 
     def loss(leaves):
         return sum(float(np.sum((np.asarray(a) - t) ** 2)) for a, t in zip(leaves, targets))
 
-    start = loss(params)
-    for k in range(1, steps + 1):
-        x, state = run(k, x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
-        xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+    def agree_after_syncs(k, x):
         if k % H == 0:
             for leaf in x:
                 ulp = float(jnp.finfo(jnp.float32).eps * jnp.max(jnp.abs(leaf)))
                 assert float(jnp.max(jnp.abs(leaf - leaf[0]))) <= 2 * ulp
-    assert loss(xs[0]) < 0.8 * start  # measured: 88.5 -> 64.4 in 16 steps
+
+    start = loss(params)
+    x, state = train(stepper(tx, n), x, state, prob, 1, steps, agree_after_syncs)
+    assert loss(worker_views(x)[0]) < 0.8 * start  # measured: 88.5 -> 64.4 in 16 steps
 
 
 def test_bad_arguments_are_refused_at_construction():
@@ -267,7 +272,7 @@ def test_float_sync_over_a_fast_axis_matches_the_flat_float_sync():
     """Hierarchical float sync on (node, local) = 2 x 2 workers: the same numbers as over 4
     flat workers (a float mean has no compression to split), to rounding."""
     n = 4
-    params, targets, curvature, noise = problem(n, 2 * H, seed=7)
+    prob = problem(n, 2 * H, seed=7)
     flat_tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, AXIS, collective="float")
     tree_tx = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, "node", collective="float",
                          fast_axis_name="local")  # fmt: skip
@@ -282,21 +287,10 @@ def test_float_sync_over_a_fast_axis_matches_the_flat_float_sync():
 
         return call
 
-    def step(tx):
-        def one(x, s, g):
-            u, s = tx.update(g, s, x)
-            return optax.apply_updates(x, u), s
-
-        return one
-
-    x0 = layout([params] * n)
+    x0 = layout([prob[0]] * n)
     results = []
     for tx, lift in ((flat_tx, lambda f: mapped(f, "vmap", n)), (tree_tx, nested)):
-        x, state = x0, lift(tx.init)(x0)
-        run, xs = lift(step(tx)), [params] * n
-        for k in range(1, 2 * H + 1):
-            x, state = run(x, state, layout(grads_at(xs, targets, curvature, noise[k - 1])))
-            xs = [[np.asarray(leaf[i]) for leaf in x] for i in range(n)]
+        x, state = train(stepper(tx, n, lift=lift), x0, lift(tx.init)(x0), prob, 1, 2 * H)
         results.append(x)
     for a, b in zip(*results, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
