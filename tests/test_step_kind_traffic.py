@@ -5,6 +5,8 @@ that kind alone and holds exactly what it executes, with no loop and no conditio
 hint the program holds every kind behind conditionals decided from the counters.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,3 +146,45 @@ def hlo_of(tx, kind):
 
     program = jax.jit(jax.vmap(step, axis_name=AXIS))
     return program.lower(params, params, state).compile().as_text()
+
+
+def _distinct_cut_kernels(text):
+    """The fused computations of an optimised HLO text that cut a leaf out of a flat buffer
+    (``dynamic-slice``): how many there are, and how many differ once names are dropped."""
+    bodies = re.findall(r"^%fused\S* \(.*?\n(.*?)\n\}", text, re.M | re.S)
+    cuts = [b for b in bodies if "dynamic-slice(" in b]
+    plain = {re.sub(r"%?[\w.-]+\.\d+|metadata=\{[^}]*\}", "_", b) for b in cuts}
+    return len(cuts), len(plain)
+
+
+@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
+def test_cuts_of_leaves_of_one_shape_are_one_kernel(mapping):
+    """``flatten`` hands each leaf's offset to its cut as a value of its own, so the cuts of
+    leaves of one shape are one kernel (compiled once): compile time follows the number of
+    leaf shapes, not of leaves."""
+    shapes = [(16, 8), (8,)] * 6  # 12 leaves, 2 shapes
+    tx = ozo.zero_one_adam(1e-3, var_freeze_step=2, axis_name=AXIS)
+    kind = ozo.StepSchedule(
+        ozo.VarianceDoubling(freeze_step=2), ozo.LocalStepDoubling(scaler=1, clipper=4)
+    ).kinds
+    local = next(k for k in kind if k.name == "local")
+    params = [jnp.zeros((N, *s)) for s in shapes]
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+
+    def step(p, g, s):
+        return tx.update(g, s, p, step_kind=local)
+
+    if mapping == "vmap":
+        program = jax.jit(jax.vmap(step, axis_name=AXIS))
+    else:
+        mesh = jax.make_mesh((N,), (AXIS,))
+
+        def body(p, g, s):
+            p, g, s = jax.tree.map(lambda x: x[0], (p, g, s))
+            return jax.tree.map(lambda x: x[None], step(p, g, s))
+
+        program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        params, state = jax.device_put((params, state), NamedSharding(mesh, P(AXIS)))
+    cuts, distinct = _distinct_cut_kernels(program.lower(params, params, state).compile().as_text())
+    assert cuts >= len(shapes)  # the test sees the cuts
+    assert distinct <= 2, (cuts, distinct)

@@ -36,9 +36,11 @@ class FlattenState(NamedTuple):
         array whatever the leaf count, so that the state's structure does not depend on the
         params' and ``optax.tree_map_params`` works).
         Static facts kept as data on purpose: the program cuts the updates out of the flat
-        buffer at offsets it reads at run time, so XLA compiles one kernel per leaf *shape*
-        rather than one per leaf (with constant offsets every cut is a distinct kernel, which
-        made compile time grow with the leaf count; ``docs/design.md``). They never change.
+        buffer at offsets it reads at run time, each handed to its cut as a value of its own
+        (``_graph.scalars_apart``), so XLA compiles one kernel per leaf *shape* rather than one
+        per leaf (with constant offsets, or offsets sliced inside each cut, every cut is a
+        distinct kernel and compile time grows with the leaf count; ``docs/design.md``). They
+        never change.
       inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
     """
 
@@ -125,7 +127,8 @@ def flatten(
             jax.tree.structure(updates),
             [jnp.result_type(x) for x in jax.tree.leaves(updates if params is None else params)],
         )
-        out = from_flat(flat_updates, _graph.once_for_all_workers(state.offsets, axes), dtypes)
+        offsets = _graph.scalars_apart(_graph.once_for_all_workers(state.offsets, axes))
+        out = from_flat(flat_updates, offsets, dtypes)
         return out, FlattenState(state.offsets, inner_state)
 
     return _checks.transformation(init_fn, update_fn, FlattenState, "this optimizer")
