@@ -1,6 +1,7 @@
 """DiLoCo's family against AdamW and 0/1 Adam: validation loss against the bytes each worker sends.
 
-Run as ``python -m benchmarks.diloco [--quick] [--resume]``.
+Run as ``python -m benchmarks.diloco [--long [--reuse results/convergence_long.json]] [--quick]
+[--resume]``.
 
 The char-level GPT and text of :mod:`benchmarks.convergence_long` (the standard library's
 sources, 8 simulated workers, warm-up then cosine decay), trained for the same number of steps
@@ -22,7 +23,13 @@ Protocol (convergence_long's, shorter): a sweep of the peak learning rate over `
 ``sweep_steps`` on seed 0 (no extension: the run is short); then ``long_steps`` at each best rate,
 3 seeds for AdamW and the two DiLoCo rows (the headline claims), 1 for the others. Bytes per
 worker are read from each step kind's compiled program. Writes ``results/diloco.{json,png,md}``
-(``--quick``: ``diloco_quick``).
+(``--quick``: ``diloco_quick``, ``--long``: ``diloco_long``).
+
+``--long`` is convergence_long's protocol at its own length (1,200-step sweep over 2e-3, 4e-3,
+8e-3 with edge extensions, 6,000-step runs on 3 seeds; MuLoCo on one). Its AdamW and 0/1 Adam
+runs are the ones ``benchmarks.convergence_long`` already trains, config for config:
+``--reuse results/convergence_long.json`` takes them from that file (after checking that both
+studies' settings agree) instead of training them again, which saves about 45 minutes here.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
 
+import dataclasses  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 from typing import Any  # noqa: E402
@@ -55,6 +64,10 @@ PRESETS = {
         train_loss_block=50,
         optimizers=OPTIMIZERS,
         fewer_seeds=(("zero_one_adam", (0,)), ("muloco_1bit", (0,))),
+    ),
+    # convergence_long's "long" protocol (~65 min on 2 cores with --reuse, ~110 min without)
+    "long": dataclasses.replace(
+        cl.PRESETS["long"], optimizers=OPTIMIZERS, fewer_seeds=(("muloco_1bit", (0,)),)
     ),
     # a few-minute check of the pipeline, no claims
     "quick": cl.Study(
@@ -141,19 +154,66 @@ def markdown(result: dict[str, Any]) -> str:
         *cl.protocol_lines(result),
         f"- this process: wall {result['wall_seconds_this_process']:.0f} s",
     ]
+    if "reused_runs" in result:
+        reused = result["reused_runs"]
+        lines.append(
+            f"- {len(reused['keys'])} runs (AdamW's and 0/1 Adam's) taken from {reused['from']}, "
+            "not trained again: same settings, same configs"
+        )
     return "\n".join(lines) + "\n"
+
+
+# what two studies must share for a run of one to stand for the same run of the other
+_SAME_RUNS = ("base", "sweep_steps", "long_steps", "lrs", "sweep_seed", "sweep_eval_every",
+              "long_eval_every", "train_loss_block", "max_extensions")  # fmt: skip
+
+
+def reuse_runs(study: cl.Study, source: pathlib.Path, partial: pathlib.Path) -> list[str]:
+    """Starts ``partial`` (the study's resume file) with the runs of ``source`` (another study's
+    JSON) for the optimizers both studies train, after checking that the settings that make a
+    run agree. Returns the keys taken. Raises if they disagree or ``partial`` already exists."""
+    other = json.loads(source.read_text())
+    mine = cl._settings(study)
+    # fields the base config gained after ``source`` ran (DiLoCo's: outer rate, sync interval)
+    # cannot have shaped its runs; every field it has must agree
+    theirs = other["study"]
+    base = {k: v for k, v in mine["base"].items() if k in theirs["base"]}
+    differ = [k for k in _SAME_RUNS if theirs[k] != (base if k == "base" else mine[k])]
+    if differ:
+        raise SystemExit(f"{source} was run with other settings ({', '.join(differ)}): no reuse")
+    if partial.exists():
+        raise SystemExit(f"{partial} exists: resume it with --resume, or remove it")
+    shared = set(study.optimizers) & set(other["study"]["optimizers"])
+    runs = {k: r for k, r in other["runs"].items() if k.split("/")[1] in shared}
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(json.dumps({"settings": mine, "runs": runs}))
+    return sorted(runs)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = common.argument_parser("benchmarks.diloco", __doc__)
     parser.add_argument("--quick", action="store_true", help="a few-minute check, no claims")
+    parser.add_argument("--long", action="store_true", help="convergence_long's 6,000 steps")
+    parser.add_argument(
+        "--reuse",
+        type=pathlib.Path,
+        help="with --long: take AdamW's and 0/1 Adam's runs from this convergence_long JSON",
+    )
     parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
     parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    study = PRESETS["quick" if args.quick else "full"]
-    stem = "diloco" + ("_quick" if args.quick else "")
-    result = cl.run(study, args.out_dir, stem, resume=args.resume, progress=not args.no_progress)
+    preset = "quick" if args.quick else "long" if args.long else "full"
+    study = PRESETS[preset]
+    stem = "diloco" + ("" if preset == "full" else f"_{preset}")
+    resume = args.resume
+    if args.reuse is not None:
+        taken = reuse_runs(study, args.reuse, args.out_dir / f"{stem}.partial.json")
+        print(f"reused {len(taken)} runs from {args.reuse}", flush=True)
+        resume = True
+    result = cl.run(study, args.out_dir, stem, resume=resume, progress=not args.no_progress)
+    if args.reuse is not None:
+        result["reused_runs"] = {"from": str(args.reuse), "keys": taken}
     result["benchmark"] = "diloco"
     result["diloco_summary"] = summarize(result["optimizers"])
     result = cl._finite_or_none(result)

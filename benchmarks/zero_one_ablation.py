@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: final val {run['final_val_loss']:.4f}", file=sys.stderr, flush=True)
         args.out_dir.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
-    (args.out_dir / "zero_one_ablation.md").write_text(markdown(result))
+    out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
 
 
