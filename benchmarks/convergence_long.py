@@ -356,7 +356,7 @@ class _Store:
             path.write_text(json.dumps(saved))
         if resume and path.exists():
             saved = json.loads(path.read_text())
-            if saved["settings"] != self.settings:
+            if _shaping(saved["settings"]) != _shaping(self.settings):
                 raise SystemExit(
                     f"{path} was written with other settings: remove it, or drop --resume"
                 )
@@ -370,6 +370,15 @@ class _Store:
 
 def _settings(study: Study) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(study)))
+
+
+# which optimizers and seeds a study runs: a resumed study may add some, its saved runs stand
+_NOT_SHAPING_RUNS = ("optimizers", "seeds", "fewer_seeds")
+
+
+def _shaping(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings that shape a saved run (all but which optimizers and seeds are run)."""
+    return {k: v for k, v in settings.items() if k not in _NOT_SHAPING_RUNS}
 
 
 def run(
