@@ -337,12 +337,14 @@ def to_flat(tree: Any, layout: Layout, dtype: Any = None) -> FlatTree:
     dtype = dtype or compute_dtype(tree)
     n = layout.num_workers
     pieces = []
+    zero = np.zeros((), dtype)
     for leaf, size, padded, columns in zip(
         jax.tree.leaves(tree), layout.sizes, layout.padded, layout.columns
     ):
-        flat = jnp.pad(jnp.reshape(leaf, -1).astype(dtype), (0, int(padded - size)))
+        # lax.pad, not jnp.pad: one primitive each, which keeps tracing a large tree fast
+        flat = lax.pad(jnp.ravel(leaf).astype(dtype), zero, [(0, int(padded - size), 0)])
         rows = flat.reshape(n, int(padded) // n)
-        pieces.append(jnp.pad(rows, ((0, 0), (0, int(columns) - rows.shape[1]))))
+        pieces.append(lax.pad(rows, zero, [(0, 0, 0), (0, int(columns) - rows.shape[1], 0)]))
     buffer = jnp.concatenate(pieces, axis=1) if pieces else jnp.zeros((n, 0), dtype)
     return FlatTree(buffer, layout)
 
@@ -385,8 +387,12 @@ def from_flat(flat: FlatTree, offsets: Any, dtypes: Any) -> Any:
     leaves = []
     for i, (shape, dtype) in enumerate(zip(layout.shapes, jax.tree.leaves(dtypes))):
         chunk, size = int(layout.chunks[i]), int(layout.sizes[i])
-        piece = lax.dynamic_slice_in_dim(flat.buffer, offsets[i], chunk, axis=1)
-        leaves.append(piece.reshape(-1)[:size].reshape(shape).astype(dtype))
+        # offsets are never negative: no index normalisation in the cut's kernel
+        piece = lax.dynamic_slice_in_dim(
+            flat.buffer, offsets[i], chunk, axis=1, allow_negative_indices=False
+        )
+        piece = lax.slice_in_dim(piece.reshape(-1), 0, size)
+        leaves.append(piece.reshape(shape).astype(dtype))
     return jax.tree.unflatten(jax.tree.structure(dtypes), leaves)
 
 
