@@ -204,14 +204,17 @@ def main(argv: list[str] | None = None) -> None:
     preset = "quick" if args.quick else "long" if args.long else "full"
     study = PRESETS[preset]
     stem = "diloco" + ("" if preset == "full" else f"_{preset}")
-    resume = args.resume
+    resume, reused = args.resume, None
+    final = args.out_dir / f"{stem}.json"
+    if resume and final.exists():  # a resumed study keeps the record of what it reused
+        reused = json.loads(final.read_text()).get("reused_runs")
     if args.reuse is not None:
         taken = reuse_runs(study, args.reuse, args.out_dir / f"{stem}.partial.json")
         print(f"reused {len(taken)} runs from {args.reuse}", flush=True)
-        resume = True
+        resume, reused = True, {"from": str(args.reuse), "keys": taken}
     result = cl.run(study, args.out_dir, stem, resume=resume, progress=not args.no_progress)
-    if args.reuse is not None:
-        result["reused_runs"] = {"from": str(args.reuse), "keys": taken}
+    if reused is not None:
+        result["reused_runs"] = reused
     result["benchmark"] = "diloco"
     result["diloco_summary"] = summarize(result["optimizers"])
     result = cl._finite_or_none(result)
