@@ -161,22 +161,19 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# what two studies must share for a run of one to stand for the same run of the other
-_SAME_RUNS = ("base", "sweep_steps", "long_steps", "lrs", "sweep_seed", "sweep_eval_every",
-              "long_eval_every", "train_loss_block", "max_extensions")  # fmt: skip
-
-
 def reuse_runs(study: cl.Study, source: pathlib.Path, partial: pathlib.Path) -> list[str]:
     """Starts ``partial`` (the study's resume file) with the runs of ``source`` (another study's
     JSON) for the optimizers both studies train, after checking that the settings that make a
     run agree. Returns the keys taken. Raises if they disagree or ``partial`` already exists."""
     other = json.loads(source.read_text())
     mine = cl._settings(study)
-    # fields the base config gained after ``source`` ran (DiLoCo's: outer rate, sync interval)
-    # cannot have shaped its runs; every field it has must agree
-    theirs = other["study"]
-    base = {k: v for k, v in mine["base"].items() if k in theirs["base"]}
-    differ = [k for k in _SAME_RUNS if theirs[k] != (base if k == "base" else mine[k])]
+    # the settings that shape a run (convergence_long's rule for resuming); fields the base
+    # config gained after ``source`` ran (DiLoCo's: outer rate, sync interval) cannot have
+    # shaped its runs, every field it has must agree
+    theirs = cl._shaping(other["study"])
+    shaping = cl._shaping(mine)
+    shaping["base"] = {k: v for k, v in mine["base"].items() if k in theirs["base"]}
+    differ = [k for k in shaping if theirs.get(k) != shaping[k]]
     if differ:
         raise SystemExit(f"{source} was run with other settings ({', '.join(differ)}): no reuse")
     if partial.exists():

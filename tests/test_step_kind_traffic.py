@@ -41,13 +41,21 @@ def stats_at(tx, kind):
     state = jax.eval_shape(jax.vmap(tx.init, axis_name=AXIS), params)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded), state)
 
-    def body(p, g, s):
-        p, g, s = jax.tree.map(lambda x: x[0], (p, g, s))
-        out = tx.update(g, s, p, step_kind=kind)
+    def step(p, g, s):
+        return tx.update(g, s, p, step_kind=kind)
+
+    return ozo.comm_stats(on_workers(step, mesh), params, params, state)
+
+
+def on_workers(step, mesh):
+    """``step`` on one worker's trees, under ``shard_map`` over the worker axis of ``mesh``
+    (every argument and result with a leading worker axis of one per device)."""
+
+    def body(*args):
+        out = step(*jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: x[None], out)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-    return ozo.comm_stats(fn, params, params, state)
+    return jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
 
 
 ZERO_ONE = ozo.zero_one_adam(
@@ -164,10 +172,10 @@ def test_cuts_of_leaves_of_one_shape_are_one_kernel(mapping):
     leaf shapes, not of leaves."""
     shapes = [(16, 8), (8,)] * 6  # 12 leaves, 2 shapes
     tx = ozo.zero_one_adam(1e-3, var_freeze_step=2, axis_name=AXIS)
-    kind = ozo.StepSchedule(
+    kinds = ozo.StepSchedule(
         ozo.VarianceDoubling(freeze_step=2), ozo.LocalStepDoubling(scaler=1, clipper=4)
     ).kinds
-    local = next(k for k in kind if k.name == "local")
+    local = next(k for k in kinds if k.name == "local")
     params = [jnp.zeros((N, *s)) for s in shapes]
     state = jax.vmap(tx.init, axis_name=AXIS)(params)
 
@@ -178,12 +186,7 @@ def test_cuts_of_leaves_of_one_shape_are_one_kernel(mapping):
         program = jax.jit(jax.vmap(step, axis_name=AXIS))
     else:
         mesh = jax.make_mesh((N,), (AXIS,))
-
-        def body(p, g, s):
-            p, g, s = jax.tree.map(lambda x: x[0], (p, g, s))
-            return jax.tree.map(lambda x: x[None], step(p, g, s))
-
-        program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        program = jax.jit(on_workers(step, mesh))
         params, state = jax.device_put((params, state), NamedSharding(mesh, P(AXIS)))
     cuts, distinct = _distinct_cut_kernels(program.lower(params, params, state).compile().as_text())
     assert cuts >= len(shapes)  # the test sees the cuts
