@@ -285,6 +285,47 @@ def nan_unless(ok: Any, tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.where(ok, x, jnp.nan).astype(x.dtype), tree)
 
 
+def reported_skip(new_state: Any, old_state: Any) -> jax.Array | None:
+    """Whether a transform inside said it skipped this step, read from its counter; ``None`` if
+    none of the states in ``new_state`` makes that promise.
+
+    A state class that declares ``SKIP_KEEPS_COUNTER = True`` promises that on a step its
+    transform skips (its input was not finite, or its hint was refused) it keeps its
+    ``STEP_COUNTER``, and that on every other step its update is finite given finite params
+    and hyperparameters. A wrapper that must know whether the inner transform skipped
+    (``local_step_sync`` before its start step, ``skip_not_finite``) then compares counters,
+    two scalars, instead of checking every element of the update: one pass over the update
+    less per step (the transform already checked its own input). ``old_state`` is the inner
+    state before the update, of the same structure. A counter that stays at the largest int32
+    (``optax.safe_increment`` saturates) is not read as a skip.
+    """
+    new_nodes = _promising(new_state)
+    if not new_nodes:
+        return None
+    old_nodes = _promising(old_state)
+    largest = jnp.iinfo(jnp.int32).max
+    kept = []
+    for new, old in zip(new_nodes, old_nodes, strict=True):
+        field = type(new).STEP_COUNTER
+        before, after = getattr(old, field), getattr(new, field)
+        kept.append(jnp.logical_and(after == before, before != largest))
+    return jnp.stack(kept).any()
+
+
+def _promising(state: Any) -> list:
+    def promises(x: Any) -> bool:
+        return _declares(x, "STEP_COUNTER") and getattr(type(x), "SKIP_KEEPS_COUNTER", False)
+
+    return [n for n in jax.tree.leaves(state, is_leaf=promises) if promises(n)]
+
+
+def finite_or_skipped(update: Any, new_state: Any, old_state: Any) -> jax.Array:
+    """Whether to apply ``update``: what the inner states report (:func:`reported_skip`), or,
+    where none of them promises to, whether every element of ``update`` is finite."""
+    skipped = reported_skip(new_state, old_state)
+    return all_finite(update) if skipped is None else jnp.logical_not(skipped)
+
+
 def keep_if_finite(finite: Any, step: Any, new_state: Any, skipped_state: Any) -> tuple[Any, Any]:
     """A step's ``(update, state)``, or, where ``finite`` is false, a zero update and the state
     with every scalar taken from ``skipped_state`` (:func:`restore_scalars`; the buffers were

@@ -44,6 +44,9 @@ class FrozenVarianceAdamState(NamedTuple):
     STEP_COUNTER = "count"
     REFUSED_HINT = "refused_hint"
     BRANCHES = ("update v (variance step)", "keep v (phase A)", "frozen v (phase B)")
+    # A skipped step (a mean that is not finite, a refused hint) keeps ``count``, and every
+    # other step's output is finite (eps > 0): wrappers read the skip from the counter.
+    SKIP_KEEPS_COUNTER = True
 
     def moved(self, every: Any, fresh: FrozenVarianceAdamState, move: Any) -> Any:
         """To another worker count (:func:`~optax_zero_one.reset_compression`): ``m`` the mean
@@ -95,7 +98,7 @@ def scale_by_frozen_variance_adam(
     kind is chosen in the graph.
 
     Args:
-      b1, b2, eps: Adam's constants.
+      b1, b2, eps: Adam's constants (``eps > 0``).
       variance_policy: when to update ``v`` and when to freeze it (default
         :class:`~optax_zero_one.VarianceDoubling` ``(100_000, 16)``).
       momentum_mean: optional transform applied to ``m`` at every step after the freeze.
@@ -118,6 +121,11 @@ def scale_by_frozen_variance_adam(
     _checks.check_range("b1", b1, 0.0, 1.0, high_open=True)
     _checks.check_range("b2", b2, 0.0, 1.0, high_open=True)
     _checks.check_range("eps", eps, 0.0, float("inf"), high_open=True)
+    if _checks.is_static_number(eps) and eps == 0:
+        raise ValueError(
+            "eps must be > 0: a coordinate whose frozen variance is 0 would divide by zero at "
+            "every step after the freeze. Use e.g. eps=1e-8 (Adam's and DeepSpeed's default)."
+        )
     policy = variance_policy or policies.VarianceDoubling()
 
     def init_fn(params: optax.Params) -> FrozenVarianceAdamState:

@@ -335,7 +335,8 @@ def local_step_sync(
             out = jax.tree.map(lambda d, a: d.astype(a.dtype), out, state.anchor)
             new_state = state._replace(count=optax.safe_increment(state.count))
             new_state = new_state._replace(inner_state=inner_state)
-            return _graph.keep_if_finite(_graph.all_finite(out), out, new_state, skipped)
+            finite = _graph.finite_or_skipped(out, inner_state, state.inner_state)
+            return _graph.keep_if_finite(finite, out, new_state, skipped)
 
         # After start_step this worker's gradient is its own: dropped if it is not finite.
         drop = jnp.logical_not(_graph.all_finite(updates))

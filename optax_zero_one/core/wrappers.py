@@ -194,7 +194,7 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
 
     def update_fn(updates: Any, state: SkipNotFiniteState, params: Any, **extra_args: Any) -> Any:
         step, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        finite = _graph.all_finite(step)
+        finite = _graph.finite_or_skipped(step, inner_state, state.inner_state)
         kept = SkipNotFiniteState(state.skipped_updates, inner_state)
         skipped = SkipNotFiniteState(state.skipped_updates + 1, state.inner_state)
         return _graph.keep_if_finite(finite, step, kept, skipped)
