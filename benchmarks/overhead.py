@@ -640,7 +640,33 @@ def measure_data_parallel_here(steps: int) -> dict:
                 row[f"{mode}_x_{base}"] = statistics.median(ratios)
         row["steps"] = len(per[ADAM])
         out[kind] = row
-    return {"params": model_trees.numel(DP_TREE), "leaves": len(DP_TREE), "kinds": out}
+    return {
+        "params": model_trees.numel(DP_TREE),
+        "leaves": len(DP_TREE),
+        "kinds": out,
+        "plain_jit_adam_ms": _plain_jit_adam_ms(host, steps),
+    }
+
+
+def _plain_jit_adam_ms(host: dict, steps: int) -> float:
+    """``optax.adam`` on one worker's tree under plain ``jax.jit`` on one device (no worker
+    axis, donated): the reference for what ``dp.jit``'s worker layout costs XLA:CPU."""
+    adam = optax.adam(1e-3)
+
+    def step(params: Any, state: Any, grads: Any) -> Any:
+        updates, state = adam.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    params = {k: jnp.asarray(x[0]) for k, x in host.items()}
+    grads = {k: jnp.asarray(1e-2 * x[0]) for k, x in host.items()}
+    state, times = adam.init(params), []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        params, state = jax.block_until_ready(fn(params, state, grads))
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def measure_data_parallel(steps: int) -> dict:
@@ -686,6 +712,17 @@ def data_parallel_table(res: dict) -> list[str]:
             f"{r['dispatched_x_adam+pmean']:.2f} | <= {target} x {base}: {flag} | "
             f"{r['in-graph_ms']:.1f} | {r['in-graph_x_adam']:.2f} |"
         )
+    plain = res.get("plain_jit_adam_ms")
+    if plain:
+        adam = statistics.median(r["adam_ms"] for r in res["kinds"].values())
+        out += [
+            "",
+            f"For reference, optax.adam on one worker's tree under plain jax.jit on one device: "
+            f"{plain:.1f} ms; through dp.jit (one worker per core, the median of the adam "
+            f"column) {adam:.1f} ms, {adam / plain:.1f}x. XLA:CPU copies donated buffers "
+            "when the update's inputs reach it through the worker axis (docs/jit.md, "
+            '"Performance on CPU"); the ratios above compare programs that pay it alike.',
+        ]
     return [*out, ""]
 
 
