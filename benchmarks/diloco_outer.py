@@ -1,20 +1,25 @@
-"""DiLoCo's family with its outer learning rate swept: does the paper's 0.7 suit 1-bit syncs?
+"""DiLoCo's family with one more setting swept: the outer learning rate, or MuLoCo's Muon rate.
 
 ``benchmarks.diloco --long`` ran every DiLoCo row with the outer step of the DiLoCo paper,
-Nesterov momentum at learning rate 0.7 and momentum 0.9, and swept only the inner (peak) rate.
-This script sweeps the outer rate too, one row at a time, on the same protocol:
+Nesterov momentum at learning rate 0.7 and momentum 0.9, MuLoCo's Muon at 5x the peak rate, and
+swept only the inner (peak) rate. This script sweeps one of those settings too (``--setting``:
+``outer_lr``, default, or ``muon_lr_ratio``, MuLoCo only), one row at a time, on the same
+protocol:
 
-1. at each row's best inner rate (read from ``results/diloco_long.json``), the outer rate over
-   ``OUTER_LRS`` at the sweep's length (1,200 steps) on seed 0, extended once past an edge; the
-   runs at 0.7 are ``diloco_long``'s own sweep runs, not trained again;
-2. 6,000 steps on seeds 0-2 at the best outer rate (``diloco_long``'s long runs if it is 0.7).
+1. at each row's best inner rate (read from ``results/diloco_long.json``), the setting over
+   its three values (:data:`SETTINGS`) at the sweep's length (1,200 steps) on seed 0, extended
+   once past an edge; the runs at ``diloco_long``'s value are that study's own sweep runs, not
+   trained again;
+2. 6,000 steps on seeds 0-2 at the best value (``diloco_long``'s long runs if it is its own).
 
 The claims of the DiLoCo issue are then read again with each row at its best outer rate:
 DiLoCo 1-bit against DiLoCo float, and the family's best against AdamW (AdamW's runs are
 ``diloco_long``'s, which are ``convergence_long``'s).
 
-Run: ``python -m benchmarks.diloco_outer [--rows ...] [--resume]`` (about 70 min on 2 cores when
-every row moves off 0.7). Writes ``results/diloco_outer.{json,md}``.
+Run: ``python -m benchmarks.diloco_outer [--setting S] [--rows ...] [--resume]`` (about 10
+minutes on 2 cores where the study's own value wins everywhere, up to ~70 where every row moves
+off it). Writes ``results/diloco_outer.{json,md}`` (``muon_lr_ratio``:
+``results/diloco_muon_lr_ratio.{json,md}``).
 """
 
 from __future__ import annotations
@@ -36,9 +41,24 @@ from benchmarks import convergence_long as cl  # noqa: E402
 from benchmarks import diloco  # noqa: E402
 from benchmarks.support import common, training  # noqa: E402
 
-OUTER_LRS = (0.4, 0.7, 1.0)
-PAPER_OUTER_LR = 0.7  # DiLoCo's (Douillard et al., arXiv:2311.08105), diloco_long's setting
-EDGE = {0.4: 0.25, 1.0: 1.4}  # one extension past an edge of OUTER_LRS
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A swept setting of ``training.Config``: its values, the study's own, one step past each
+    edge, and the rows it applies to."""
+
+    values: tuple[float, ...]
+    own: float
+    edge: dict[float, float]
+    rows: tuple[str, ...]
+
+
+SETTINGS = {
+    # DiLoCo's outer rate (Douillard et al., arXiv:2311.08105): 0.7
+    "outer_lr": Setting((0.4, 0.7, 1.0), 0.7, {0.4: 0.25, 1.0: 1.4}, diloco.FAMILY),
+    # MuLoCo's Muon rate over the peak (AdamW's) rate, diloco_long's 5
+    "muon_lr_ratio": Setting((2.5, 5.0, 10.0), 5.0, {2.5: 1.25, 10.0: 20.0}, ("muloco_1bit",)),
+}
 STUDY = diloco.PRESETS["long"]
 
 
@@ -50,37 +70,41 @@ def _gap(a: float, b: float) -> float:
     return 100.0 * (a / b - 1.0)
 
 
-def best_outer(sweep: dict[float, float]) -> float:
-    """The outer rate with the lowest final validation loss (ties: the paper's, then lower)."""
-    return min(sweep, key=lambda lr: (sweep[lr], lr != PAPER_OUTER_LR, lr))
+def best_value(sweep: dict[float, float], own: float) -> float:
+    """The value with the lowest final validation loss (ties: the study's own, then lower)."""
+    return min(sweep, key=lambda v: (sweep[v], v != own, v))
 
 
 class Runner:
     """Trains (or takes from ``diloco_long``) the runs of one row, saving each as it ends."""
 
-    def __init__(self, source: dict[str, Any], out: pathlib.Path, resume: bool) -> None:
+    def __init__(
+        self, source: dict[str, Any], out: pathlib.Path, resume: bool, setting: str
+    ) -> None:
         self.source = source
+        self.setting = setting
+        self.own = SETTINGS[setting].own
         self.out = out
         saved = json.loads(out.read_text()) if resume and out.exists() else {}
         self.runs: dict[str, Any] = saved.get("runs", {})
         self.mesh = None
         self.workloads: dict[int, Any] = {}
 
-    def config(self, name: str, steps: int, seed: int, outer_lr: float) -> training.Config:
+    def config(self, name: str, steps: int, seed: int, value: float) -> training.Config:
         lr = self.source["optimizers"][name]["best_lr"]
         every = STUDY.sweep_eval_every if steps == STUDY.sweep_steps else STUDY.long_eval_every
         cfg = STUDY.config(name, steps, lr, seed, every)
-        return dataclasses.replace(cfg, outer_lr=outer_lr)
+        return dataclasses.replace(cfg, **{self.setting: value})
 
-    def run(self, phase: str, name: str, outer_lr: float, seed: int) -> dict[str, Any]:
+    def run(self, phase: str, name: str, value: float, seed: int) -> dict[str, Any]:
         steps = STUDY.sweep_steps if phase == "sweep" else STUDY.long_steps
-        if outer_lr == PAPER_OUTER_LR:  # diloco_long's own run, same settings
+        if value == self.own:  # diloco_long's own run, same settings
             lr = self.source["optimizers"][name]["best_lr"]
-            value = lr if phase == "sweep" else seed
-            return self.source["runs"][_key(phase, name, value)]
-        key = _key(phase, name, f"{outer_lr}@{seed}")
+            return self.source["runs"][_key(phase, name, lr if phase == "sweep" else seed)]
+        tag = "" if self.setting == "outer_lr" else f"{self.setting}="
+        key = _key(phase, name, f"{tag}{value}@{seed}")
         if key not in self.runs:
-            cfg = self.config(name, steps, seed, outer_lr)
+            cfg = self.config(name, steps, seed, value)
             if self.mesh is None:
                 common.setup_cpu_devices(training.NUM_WORKERS)
                 self.mesh = ozo.worker_mesh(common.AXIS, training.NUM_WORKERS)
@@ -102,25 +126,26 @@ class Runner:
 
 
 def study_row(runner: Runner, name: str) -> dict[str, Any]:
-    """The outer-rate sweep of row ``name`` and its long runs at the best outer rate."""
-    sweep = {lr: runner.run("sweep", name, lr, 0)["final_val_loss"] for lr in OUTER_LRS}
-    best = best_outer(sweep)
-    if best in EDGE:
-        extra = EDGE[best]
+    """The sweep of row ``name`` over the runner's setting and its long runs at the best value."""
+    setting = SETTINGS[runner.setting]
+    sweep = {v: runner.run("sweep", name, v, 0)["final_val_loss"] for v in setting.values}
+    best = best_value(sweep, setting.own)
+    if best in setting.edge:
+        extra = setting.edge[best]
         sweep[extra] = runner.run("sweep", name, extra, 0)["final_val_loss"]
-        best = best_outer(sweep)
+        best = best_value(sweep, setting.own)
     finals = [runner.run("long", name, best, seed)["final_val_loss"] for seed in STUDY.seeds]
     long0 = runner.run("long", name, best, STUDY.seeds[0])
     return {
         "inner_lr": runner.source["optimizers"][name]["best_lr"],
         "sweep": {str(k): v for k, v in sorted(sweep.items())},
-        "best_outer_lr": best,
+        "best_value": best,
         "final_val_loss_per_seed": finals,
         "final_val_loss_mean": statistics.fmean(finals),
         "final_val_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
         "bytes_per_worker": long0["bytes_per_worker"],
         "rounds": long0["rounds"],
-        "paper_outer_mean": runner.source["optimizers"][name]["final_val_loss_mean"],
+        "own_value_mean": runner.source["optimizers"][name]["final_val_loss_mean"],
     }
 
 
@@ -149,18 +174,18 @@ def claims(rows: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    adamw = result["adamw_final_val_loss_mean"]
+    adamw, name_of, own = result["adamw_final_val_loss_mean"], result["setting"], result["own"]
     lines = [
-        "| row | inner LR | sweep: outer LR (final val, 1,200 steps) | best outer LR | "
-        "final val (mean ± std, 3 seeds) | at outer 0.7 | gap to AdamW | MB/worker |",
+        f"| row | inner LR | sweep: {name_of} (final val, 1,200 steps) | best | "
+        f"final val (mean ± std, 3 seeds) | at {own:g} | gap to AdamW | MB/worker |",
         "|---|---:|---|---:|---|---:|---:|---:|",
     ]
     for name, r in result["rows"].items():
         sweep = ", ".join(f"{k} ({v:.4f})" for k, v in r["sweep"].items())
         lines.append(
-            f"| {name} | {r['inner_lr']:g} | {sweep} | {r['best_outer_lr']:g} | "
+            f"| {name} | {r['inner_lr']:g} | {sweep} | {r['best_value']:g} | "
             f"{r['final_val_loss_mean']:.4f} ± {r['final_val_loss_std']:.4f} | "
-            f"{r['paper_outer_mean']:.4f} | {_gap(r['final_val_loss_mean'], adamw):+.2f}% | "
+            f"{r['own_value_mean']:.4f} | {_gap(r['final_val_loss_mean'], adamw):+.2f}% | "
             f"{r['bytes_per_worker'] / 1e6:,.1f} |"
         )
     lines += ["", f"AdamW (diloco_long's runs): {adamw:.4f}.", ""]
@@ -173,7 +198,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = common.argument_parser("benchmarks.diloco_outer", __doc__)
-    parser.add_argument("--rows", nargs="+", choices=diloco.FAMILY, default=list(diloco.FAMILY))
+    parser.add_argument("--setting", choices=SETTINGS, default="outer_lr")
+    parser.add_argument("--rows", nargs="+", choices=diloco.FAMILY, help="default: all it fits")
     parser.add_argument("--source", type=pathlib.Path, default=common.RESULTS / "diloco_long.json")
     parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
     parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
@@ -181,17 +207,24 @@ def main(argv: list[str] | None = None) -> None:
     source = json.loads(args.source.read_text())
     if cl._shaping(source["study"]) != cl._shaping(cl._settings(STUDY)):
         raise SystemExit(f"{args.source} was not run with diloco --long's settings")
-    out = args.out_dir / "diloco_outer.json"
-    runner = Runner(source, out, args.resume)
+    setting = SETTINGS[args.setting]
+    rows_to_run = args.rows or list(setting.rows)
+    if not set(rows_to_run) <= set(setting.rows):
+        raise SystemExit(f"--setting {args.setting} applies to {setting.rows} only")
+    stem = "diloco_outer" if args.setting == "outer_lr" else f"diloco_{args.setting}"
+    out = args.out_dir / f"{stem}.json"
+    runner = Runner(source, out, args.resume, args.setting)
     start = time.perf_counter()
     rows: dict[str, Any] = {}
-    for name in args.rows:
+    for name in rows_to_run:
         rows[name] = study_row(runner, name)
         runner.save(rows)
     result = {
         "benchmark": "diloco_outer",
         "source": str(args.source),
-        "outer_lrs": list(OUTER_LRS),
+        "setting": args.setting,
+        "values": list(setting.values),
+        "own": setting.own,
         "adamw_final_val_loss_mean": source["optimizers"]["adamw"]["final_val_loss_mean"],
         "rows": rows,
         "claims": claims(rows, source),
