@@ -162,7 +162,7 @@ def recipe(name: str, cfg: Any, workload: Any) -> dict[str, Any]:
             "inner": "optax.contrib.muon" if name.startswith("muloco") else "optax.adamw",
             "sync_every": cfg.sync_every,
             "outer": f"optax.sgd({cfg.outer_lr}, momentum={cfg.outer_momentum}, nesterov=True)",
-            "collective": "float" if name.endswith("_float") else "two_phase",
+            "collective": training.loco_collective(name),
             **({"muon_lr_ratio": cfg.muon_lr_ratio} if name.startswith("muloco") else {}),
         }
     if name == "onebit_adam":

@@ -17,7 +17,10 @@ by:
   error feedback): one argument apart;
 - ``muloco_1bit``: MuLoCo's shape (Thérien et al., arXiv:2505.23725): ``optax.contrib.muon``
   inside (its matrices at ``5 x`` the peak rate, other leaves on Muon's AdamW at the peak rate),
-  1-bit deltas (the paper: 2 bits).
+  1-bit deltas (the paper: 2 bits);
+- ``muloco_psum`` (``--long`` only): the same with ``collective="psum"``: every worker's delta
+  still compressed to signs and a scale, the signs summed exactly as integer counts in one
+  all-reduce (no server-side second compression; 4-bit counts at 8 workers).
 
 Protocol (convergence_long's, shorter): a sweep of the peak learning rate over ``lrs`` at
 ``sweep_steps`` on seed 0 (no extension: the run is short); then ``long_steps`` at each best rate,
@@ -50,7 +53,10 @@ from benchmarks import convergence_long as cl  # noqa: E402
 from benchmarks.support import common  # noqa: E402
 
 OPTIMIZERS = ("adamw", "zero_one_adam", "diloco_float", "diloco_1bit", "muloco_1bit")
-FAMILY = ("diloco_float", "diloco_1bit", "muloco_1bit")
+FAMILY = ("diloco_float", "diloco_1bit", "muloco_1bit", "muloco_psum")
+# --long also runs MuLoCo with the psum backend (the deltas' 1-bit signs summed as integer
+# counts: no second compression at a server, ~4x the two-phase bytes at 8 workers)
+LONG_OPTIMIZERS = (*OPTIMIZERS, "muloco_psum")
 
 PRESETS = {
     # ~20 min on 2 cores at ~63 ms per step
@@ -66,7 +72,7 @@ PRESETS = {
         fewer_seeds=(("zero_one_adam", (0,)), ("muloco_1bit", (0,))),
     ),
     # convergence_long's "long" protocol, 3 seeds each (~90 min on 2 cores with --reuse)
-    "long": dataclasses.replace(cl.PRESETS["long"], optimizers=OPTIMIZERS, fewer_seeds=()),
+    "long": dataclasses.replace(cl.PRESETS["long"], optimizers=LONG_OPTIMIZERS, fewer_seeds=()),
     # a few-minute check of the pipeline, no claims
     "quick": cl.Study(
         sweep_steps=100,

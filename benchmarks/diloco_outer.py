@@ -55,7 +55,7 @@ class Setting:
 
 SETTINGS = {
     # DiLoCo's outer rate (Douillard et al., arXiv:2311.08105): 0.7
-    "outer_lr": Setting((0.4, 0.7, 1.0), 0.7, {0.4: 0.25, 1.0: 1.4}, diloco.FAMILY),
+    "outer_lr": Setting((0.4, 0.7, 1.0), 0.7, {0.4: 0.25, 1.0: 1.4}, diloco.FAMILY[:3]),
     # MuLoCo's Muon rate over the peak (AdamW's) rate, diloco_long's 5
     "muon_lr_ratio": Setting((2.5, 5.0, 10.0), 5.0, {2.5: 1.25, 10.0: 20.0}, ("muloco_1bit",)),
 }

@@ -40,8 +40,9 @@ EXTRA = ("zero_one_adam_psum", "onebit_grad_adam", "local_adam")
 MESH_EXTRA = ("zero_one_adam_node_mean",)
 # DiLoCo's family (benchmarks.diloco): AdamW (Muon for MuLoCo) inside, Nesterov momentum
 # outside (lr 0.7, momentum 0.9, Douillard et al.), a sync every ``sync_every`` steps; the
-# average of the deltas exact in float32 or 1-bit with error feedback.
-LOCO = ("diloco_float", "diloco_1bit", "muloco_1bit")
+# average of the deltas exact in float32 or 1-bit with error feedback (two-phase, or for
+# ``muloco_psum`` the psum backend: each worker's signs summed as integer counts).
+LOCO = ("diloco_float", "diloco_1bit", "muloco_1bit", "muloco_psum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,14 @@ PRESETS = {
         workload="digits", model=(("hidden", 64),), steps=300, eval_every=50, peak_lr=3e-3
     ),
 }
+
+
+def loco_collective(name: str) -> str:
+    """How a DiLoCo row averages at a sync: ``*_float`` exactly, ``*_psum`` with the 1-bit
+    psum backend (signs summed as integer counts), the rest with the two-phase 1-bit mean."""
+    if name.endswith("_float"):
+        return "float"
+    return "psum" if name.endswith("_psum") else "two_phase"
 
 
 def make_workload(cfg: Config) -> workloads.Workload:
@@ -198,7 +207,7 @@ def make_spec(name: str, cfg: Config, mask: Any = None) -> common.OptimizerSpec:
             else optax.adamw(lr, weight_decay=cfg.weight_decay, **adam)
         )
         outer = optax.sgd(cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
-        collective = "float" if name.endswith("_float") else "two_phase"
+        collective = loco_collective(name)
         tx = ozo.diloco(inner, outer, cfg.sync_every, collective=collective, mask=mask, **axes)
         if not name.startswith("muloco"):  # Muon needs the leaves' own shapes
             tx = ozo.flatten(tx, **axes)
