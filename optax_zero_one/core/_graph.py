@@ -299,10 +299,10 @@ def reported_skip(new_state: Any, old_state: Any) -> jax.Array | None:
     state before the update, of the same structure. A counter that stays at the largest int32
     (``optax.safe_increment`` saturates) is not read as a skip.
     """
-    new_nodes = _promising(new_state)
+    new_nodes = _nodes_where(new_state, _promises)
     if not new_nodes:
         return None
-    old_nodes = _promising(old_state)
+    old_nodes = _nodes_where(old_state, _promises)
     largest = jnp.iinfo(jnp.int32).max
     kept = []
     for new, old in zip(new_nodes, old_nodes, strict=True):
@@ -312,11 +312,8 @@ def reported_skip(new_state: Any, old_state: Any) -> jax.Array | None:
     return jnp.stack(kept).any()
 
 
-def _promising(state: Any) -> list:
-    def promises(x: Any) -> bool:
-        return _declares(x, "STEP_COUNTER") and getattr(type(x), "SKIP_KEEPS_COUNTER", False)
-
-    return [n for n in jax.tree.leaves(state, is_leaf=promises) if promises(n)]
+def _promises(x: Any) -> bool:
+    return _declares(x, "STEP_COUNTER") and getattr(type(x), "SKIP_KEEPS_COUNTER", False)
 
 
 def finite_or_skipped(update: Any, new_state: Any, old_state: Any) -> jax.Array:
@@ -383,10 +380,11 @@ def step_counter(state: Any) -> Any:
     reads it through this hook instead of knowing the classes. ``None`` if there is none.
     """
 
-    def declares(x: Any) -> bool:
-        return _declares(x, "STEP_COUNTER")
+    found = _nodes_where(state, lambda x: _declares(x, "STEP_COUNTER"))
+    return getattr(found[0], type(found[0]).STEP_COUNTER) if found else None
 
-    for node in jax.tree.leaves(state, is_leaf=declares):
-        if declares(node):
-            return getattr(node, type(node).STEP_COUNTER)
-    return None
+
+def _nodes_where(state: Any, accept: Callable[[Any], bool]) -> list:
+    """The nodes of ``state`` that ``accept`` takes, outermost first, in tree order (a node
+    taken is not looked into)."""
+    return [node for node in jax.tree.leaves(state, is_leaf=accept) if accept(node)]
