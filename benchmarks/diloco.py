@@ -112,13 +112,19 @@ def summarize(per_opt: dict[str, Any]) -> dict[str, Any]:
         if "zero_one_adam" in per_opt:
             out["best_gap_to_zero_one_adam_pct"] = _pct(loss[best], loss["zero_one_adam"])
             out["best_bytes_vs_zero_one_adam"] = round(sent[best] / sent["zero_one_adam"], 4)
-    if "diloco_1bit_gap_to_diloco_float_pct" in out and "best_gap_to_adamw_pct" in out:
-        out["claims"] = {
-            "diloco_1bit_within_2pct_of_float": out["diloco_1bit_gap_to_diloco_float_pct"] <= 2,
-            "diloco_1bit_95pct_fewer_bytes": out["diloco_1bit_bytes_reduction_vs_float_pct"] >= 95,
-            "best_within_2pct_of_adamw": out["best_gap_to_adamw_pct"] <= 2,
-            "best_99_5pct_fewer_bytes_than_adamw": out["best_bytes_reduction_vs_adamw_pct"] >= 99.5,
-        }
+    claims = {}
+    if "diloco_1bit_gap_to_diloco_float_pct" in out:
+        claims["diloco_1bit_within_2pct_of_float"] = out["diloco_1bit_gap_to_diloco_float_pct"] <= 2
+        claims["diloco_1bit_95pct_fewer_bytes"] = (
+            out["diloco_1bit_bytes_reduction_vs_float_pct"] >= 95
+        )
+    if "best_gap_to_adamw_pct" in out:
+        claims["best_within_2pct_of_adamw"] = out["best_gap_to_adamw_pct"] <= 2
+        claims["best_99_5pct_fewer_bytes_than_adamw"] = (
+            out["best_bytes_reduction_vs_adamw_pct"] >= 99.5
+        )
+    if claims:
+        out["claims"] = claims
     return out
 
 

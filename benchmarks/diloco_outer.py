@@ -53,9 +53,11 @@ class Setting:
     rows: tuple[str, ...]
 
 
+# the rows diloco_long ran first, all with the paper's outer step (muloco_psum came later)
+ORIGINAL_ROWS = ("diloco_float", "diloco_1bit", "muloco_1bit")
 SETTINGS = {
     # DiLoCo's outer rate (Douillard et al., arXiv:2311.08105): 0.7
-    "outer_lr": Setting((0.4, 0.7, 1.0), 0.7, {0.4: 0.25, 1.0: 1.4}, diloco.FAMILY[:3]),
+    "outer_lr": Setting((0.4, 0.7, 1.0), 0.7, {0.4: 0.25, 1.0: 1.4}, ORIGINAL_ROWS),
     # MuLoCo's Muon rate over the peak (AdamW's) rate, diloco_long's 5
     "muon_lr_ratio": Setting((2.5, 5.0, 10.0), 5.0, {2.5: 1.25, 10.0: 20.0}, ("muloco_1bit",)),
 }
@@ -134,8 +136,9 @@ def study_row(runner: Runner, name: str) -> dict[str, Any]:
         extra = setting.edge[best]
         sweep[extra] = runner.run("sweep", name, extra, 0)["final_val_loss"]
         best = best_value(sweep, setting.own)
-    finals = [runner.run("long", name, best, seed)["final_val_loss"] for seed in STUDY.seeds]
-    long0 = runner.run("long", name, best, STUDY.seeds[0])
+    runs = [runner.run("long", name, best, seed) for seed in STUDY.seeds]
+    finals = [run["final_val_loss"] for run in runs]
+    long0 = runs[0]
     return {
         "inner_lr": runner.source["optimizers"][name]["best_lr"],
         "sweep": {str(k): v for k, v in sorted(sweep.items())},
@@ -150,27 +153,8 @@ def study_row(runner: Runner, name: str) -> dict[str, Any]:
 
 
 def claims(rows: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
-    """The DiLoCo issue's claims with each row at its best outer rate."""
-    adamw = source["optimizers"]["adamw"]
-    out: dict[str, Any] = {}
-    if {"diloco_1bit", "diloco_float"} <= rows.keys():
-        one, flt = rows["diloco_1bit"], rows["diloco_float"]
-        gap = _gap(one["final_val_loss_mean"], flt["final_val_loss_mean"])
-        fewer = 100.0 * (1 - one["bytes_per_worker"] / flt["bytes_per_worker"])
-        out["diloco_1bit_gap_to_float_pct"] = gap
-        out["diloco_1bit_bytes_reduction_vs_float_pct"] = fewer
-        out["diloco_1bit_within_2pct_of_float"] = gap <= 2.0
-    best = min(rows, key=lambda n: rows[n]["final_val_loss_mean"])
-    gap = _gap(rows[best]["final_val_loss_mean"], adamw["final_val_loss_mean"])
-    fewer = 100.0 * (1 - rows[best]["bytes_per_worker"] / adamw["bytes_per_worker"])
-    out.update(
-        best_of_family=best,
-        best_gap_to_adamw_pct=gap,
-        best_bytes_reduction_vs_adamw_pct=fewer,
-        best_within_2pct_of_adamw=gap <= 2.0,
-        best_99_5pct_fewer_bytes_than_adamw=fewer >= 99.5,
-    )
-    return out
+    """The DiLoCo issue's claims with each row at its best value (``diloco``'s own summary)."""
+    return diloco.summarize({"adamw": source["optimizers"]["adamw"], **rows})
 
 
 def markdown(result: dict[str, Any]) -> str:
