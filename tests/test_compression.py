@@ -110,3 +110,25 @@ def test_leaf_sums_and_per_column_are_segment_operations():
     spread = np.asarray(layout.per_column(jnp.asarray([1.0, 2.0, 3.0])))
     for leaf, start, columns in zip(range(3), layout.starts, layout.columns):
         assert np.all(spread[start : start + columns] == leaf + 1)
+
+
+@pytest.mark.parametrize("block", [8, 32])
+def test_the_blocks_view_packs_and_decodes_as_the_buffer_does(block, monkeypatch):
+    """pack_blocks / unpack_blocks (the collective's view) give the bytes of pack_signs and the
+    values of per_column(scales) * unpack_signs, also for blocks wider than one byte."""
+    monkeypatch.setattr(flat, "_MAX_BLOCKS", 1 << 20 if block == 8 else 4)
+    rng = np.random.default_rng(3)
+    tree = [rng.standard_normal(s).astype(np.float32) for s in [(40,), (7, 3), (), (33,)]]
+    layout = flat.Layout.of(tree, 2)
+    assert layout.block == block
+    a = flat.to_flat(tree, layout).buffer
+    signs, scales, _ = compression.compress_blocks(
+        layout.blocks(a), layout, 2 * layout.chunks, True
+    )
+    packed = compression.pack_blocks(signs)
+    np.testing.assert_array_equal(packed, np.packbits(np.asarray(a) >= 0, axis=-1))
+    per_row = jnp.stack([scales, 2 * scales])  # a different scale per row, as the servers'
+    decoded = compression.unpack_blocks(packed, per_row, layout).reshape(a.shape)
+    want = layout.per_column(per_row) * compression.unpack_signs(packed)
+    np.testing.assert_array_equal(decoded, want)
+    np.testing.assert_array_equal(np.abs(decoded), np.asarray(layout.per_column(per_row)))

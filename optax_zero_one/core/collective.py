@@ -237,35 +237,40 @@ def _serve(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Phase 1 and the server stage over ``axis`` for ``x`` of ``n`` rows (the whole buffer, or
     a node's share): every server's packed chunk and scales, gathered ``(n, C/8 + 4L)``, and the
-    new worker and server errors."""
+    new worker and server errors.
+
+    The arithmetic runs on the blocks view (``(n, C/B, B)``; :func:`compression.compress_blocks`
+    says why); only the packed bytes and the returned errors are ``(n, C)``-shaped."""
     n, width = x.shape[0], layout.width
     in_chunk = layout.in_chunk()
+    valid = in_chunk if in_chunk is True else layout.blocks(in_chunk)
 
     # Phase 1: compress locally; row j (chunk j of every leaf) and all scales go to worker j.
-    signs, scales, worker_error = compression.compress(
-        x + worker_error, layout, n * layout.chunks, in_chunk
+    signs, scales, worker_error = compression.compress_blocks(
+        layout.blocks(x + worker_error), layout, n * layout.chunks, valid
     )
     scale_bytes = compression.scales_to_bytes(scales)
     payload = jnp.concatenate(
-        [compression.pack_signs(signs), jnp.broadcast_to(scale_bytes, (n, scale_bytes.size))], 1
+        [compression.pack_blocks(signs), jnp.broadcast_to(scale_bytes, (n, scale_bytes.size))], 1
     )
     received = lax.all_to_all(payload, axis, 0, 0, tiled=True)  # row i: from worker i
 
     # Server stage: average the chunk this worker serves, compress it again.
     worker_scales = compression.bytes_to_scales(received[:, width // 8 :])  # (N, L)
-    votes = compression.unpack_signs(received[:, : width // 8], x.dtype)
-    chunk = compression.ordered_sum(layout.per_column(worker_scales.astype(x.dtype)) * votes)
-    chunk = chunk[None] / n + server_error
-    if in_chunk is not True:
-        chunk = jnp.where(in_chunk, chunk, 0)
-    signs2, scales2, server_error = compression.compress(chunk, layout, layout.chunks, in_chunk)
+    votes = compression.unpack_blocks(
+        received[:, : width // 8], worker_scales.astype(x.dtype), layout
+    )
+    chunk = compression.ordered_sum(votes)[None] / n + layout.blocks(server_error)
+    if valid is not True:
+        chunk = jnp.where(valid, chunk, 0)
+    signs2, scales2, server_error = compression.compress_blocks(chunk, layout, layout.chunks, valid)
     reply = jnp.concatenate(
-        [compression.pack_signs(signs2[0]), compression.scales_to_bytes(scales2)]
+        [compression.pack_blocks(signs2[0]), compression.scales_to_bytes(scales2)]
     )
 
     # Phase 2: every worker gathers every server's chunk.
     gathered = lax.all_gather(reply, axis, axis=0, tiled=False)  # (n, C/8 + 4L)
-    return gathered, worker_error, server_error[0]
+    return gathered, worker_error.reshape(x.shape), server_error.reshape(width)
 
 
 def _decode(gathered: jax.Array, layout: Layout, like: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -273,11 +278,13 @@ def _decode(gathered: jax.Array, layout: Layout, like: jax.Array) -> tuple[jax.A
     padding, typed like ``like``; and whether every scale is finite."""
     width = layout.width
     server_scales = compression.bytes_to_scales(gathered[:, width // 8 :])  # (N, L)
-    decoded = layout.per_column(server_scales.astype(like.dtype)) * compression.unpack_signs(
-        gathered[:, : width // 8], like.dtype
+    decoded = compression.unpack_blocks(
+        gathered[:, : width // 8], server_scales.astype(like.dtype), layout
     )
     element = layout.is_element()
-    mean = decoded if element is True else jnp.where(element, decoded, 0)
+    if element is not True:
+        decoded = jnp.where(layout.blocks(element), decoded, 0)
+    mean = decoded.reshape(gathered.shape[0], width)
     mean = _graph.vary_over(mean, _graph.varying_axes(like))
     return mean, jnp.all(jnp.isfinite(server_scales))
 

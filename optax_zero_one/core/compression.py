@@ -6,6 +6,8 @@ no communication, for buffers in the worker-major :class:`~optax_zero_one.core.f
 - :func:`leaf_rms`: one RMS scale per leaf, over that leaf's entries of the buffer;
 - :func:`compress`: error-compensated signs, per-leaf scales and the new error;
 - :func:`pack_signs` / :func:`unpack_signs`: 8 signs per byte and back;
+- :func:`compress_blocks`, :func:`pack_blocks`, :func:`unpack_blocks`: the same on the blocks
+  view of a buffer (``(R, C / B, B)``), in which the collective works (faster on XLA:CPU);
 - :func:`scales_to_bytes` / :func:`bytes_to_scales`: float32 scales bit-cast into a byte payload.
 
 Every operation is elementwise, a reduction over fixed blocks of columns, or a segment sum over
@@ -13,6 +15,9 @@ the blocks: a few operations for the whole tree, whatever the number of leaves.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,18 +35,31 @@ _SAFE_LOW, _SAFE_HIGH = 2.0**-50, 2.0**48
 _DOWN, _UP = 2.0**-96, 2.0**96  # bring peaks in [2**48, 2**128) and [2**-149, 2**-50) in range
 
 
-def _sums_and_peaks(a: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
+def _sums_and_peaks(blocks: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
     """Per leaf: the sums of squares of ``a``, ``a * 2**-96`` and ``a * 2**96`` (``(3, L)``)
-    and the largest magnitude (``(L,)``) of ``a`` (``(R, C)``), in one pass."""
-    blocks = a.reshape(-1, layout.num_blocks, layout.block)
-    zero = jnp.zeros([], a.dtype)
-    magnitude = jnp.abs(blocks)
-    down, up = jnp.asarray(_DOWN, a.dtype), jnp.asarray(_UP, a.dtype)
+    and the largest magnitude (``(L,)``) of ``a``, given as blocks (``(R, C / B, B)``), in one
+    pass.
+
+    The rows are combined first, elementwise (a chain of additions and maxima, as
+    :func:`ordered_sum`), and the four quantities then reduced over each block's ``B`` columns
+    in one variadic reduction: on XLA:CPU that is ~1.6x faster than one reduction over the rows
+    and the columns together (``docs/benchmarks/overhead.md``, "The compressed mean")."""
+    down, up = jnp.asarray(_DOWN, blocks.dtype), jnp.asarray(_UP, blocks.dtype)
+    rows = [blocks[i] for i in range(blocks.shape[0])]
+
+    def fold(each: Callable, combine: Callable) -> jax.Array:
+        return functools.reduce(combine, [each(r) for r in rows])
+
+    plain = fold(jnp.square, jnp.add)
+    small = fold(lambda r: jnp.square(r * down), jnp.add)
+    large = fold(lambda r: jnp.square(r * up), jnp.add)
+    magnitude = fold(jnp.abs, jnp.maximum)
+    zero = jnp.zeros([], blocks.dtype)
     plain, small, large, peaks = lax.reduce(
-        (jnp.square(blocks), jnp.square(blocks * down), jnp.square(blocks * up), magnitude),
+        (plain, small, large, magnitude),
         (zero, zero, zero, zero),
         lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2], jnp.maximum(x[3], y[3])),
-        (0, 2),
+        (1,),
     )
     leaf = jnp.asarray(layout.block_leaf)
     n = layout.num_leaves
@@ -50,6 +68,17 @@ def _sums_and_peaks(a: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]
         jax.ops.segment_sum(sums.T, leaf, n, indices_are_sorted=True).T,
         jax.ops.segment_max(peaks, leaf, n, indices_are_sorted=True),
     )
+
+
+def _rms(blocks: jax.Array, layout: Layout, lengths: np.ndarray) -> jax.Array:
+    """:func:`leaf_rms`'s scales from blocks ``(R, C / B, B)``."""
+    sums, peaks = _sums_and_peaks(blocks, layout)
+    lengths = jnp.asarray(np.maximum(lengths, 1), blocks.dtype)
+    plain = jnp.sqrt(sums[0] / lengths)
+    scaled_down = jnp.sqrt(sums[1] / lengths) / jnp.asarray(_DOWN, blocks.dtype)
+    scaled_up = jnp.sqrt(sums[2] / lengths) / jnp.asarray(_UP, blocks.dtype)
+    in_range = (peaks == 0) | ((peaks >= _SAFE_LOW) & (peaks < _SAFE_HIGH))
+    return jnp.where(in_range, plain, jnp.where(peaks >= _SAFE_HIGH, scaled_down, scaled_up))
 
 
 def leaf_rms(a: jax.Array, layout: Layout, lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -61,14 +90,26 @@ def leaf_rms(a: jax.Array, layout: Layout, lengths: np.ndarray) -> tuple[jax.Arr
       lengths: the divisor of each leaf (``P_l`` for a worker's whole leaf, ``c_l`` for a
         server's chunk).
     """
-    sums, peaks = _sums_and_peaks(a, layout)
-    lengths = jnp.asarray(np.maximum(lengths, 1), a.dtype)
-    plain = jnp.sqrt(sums[0] / lengths)
-    scaled_down = jnp.sqrt(sums[1] / lengths) / jnp.asarray(_DOWN, a.dtype)
-    scaled_up = jnp.sqrt(sums[2] / lengths) / jnp.asarray(_UP, a.dtype)
-    in_range = (peaks == 0) | ((peaks >= _SAFE_LOW) & (peaks < _SAFE_HIGH))
-    rms = jnp.where(in_range, plain, jnp.where(peaks >= _SAFE_HIGH, scaled_down, scaled_up))
-    return a, rms
+    return a, _rms(layout.blocks(a), layout, lengths)
+
+
+def compress_blocks(
+    blocks: jax.Array, layout: Layout, lengths: np.ndarray, valid: jax.Array | bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`compress` on blocks: ``blocks`` ``(R, C / B, B)`` and ``valid`` broadcastable to
+    it; signs and new error returned as blocks too.
+
+    The collective keeps its buffers in this view from compression to decoding: XLA:CPU fuses
+    a per-leaf scale spread over blocks, an unpack and a sum over rows into fast loops when
+    they share one shape, and into slow ones (an index division per element) when a reshape
+    to ``(R, C)`` sits between them (``docs/benchmarks/overhead.md``, "The compressed mean")."""
+    scales = _rms(blocks, layout, lengths)
+    per_block = layout.per_block(scales)
+    signs = blocks >= 0
+    new_error = blocks - (2 * signs.astype(blocks.dtype) - 1) * per_block
+    if valid is not True:
+        new_error = jnp.where(valid, new_error, 0)
+    return signs, scales, new_error
 
 
 def compress(
@@ -93,13 +134,32 @@ def compress(
     Returns:
       ``(signs, scales, new_error)``: bool like ``a``, float ``(L,)``, float like ``a``.
     """
-    a, scales = leaf_rms(a, layout, lengths)
-    column = layout.per_column(scales)
-    signs = a >= 0
-    new_error = a - jnp.where(signs, column, -column)
     if valid is not True:
-        new_error = jnp.where(valid, new_error, 0)
-    return signs, scales, new_error
+        valid = layout.blocks(jnp.broadcast_to(valid, a.shape))
+    signs, scales, new_error = compress_blocks(layout.blocks(a), layout, lengths, valid)
+    return signs.reshape(a.shape), scales, new_error.reshape(a.shape)
+
+
+_SHIFTS = 7 - np.arange(8, dtype=np.uint8)  # the first of 8 signs is a byte's top bit
+
+
+def pack_blocks(signs: jax.Array) -> jax.Array:
+    """Signs as blocks ``(..., C / B, B)`` packed 8 per byte: ``(..., C / 8)`` (as
+    :func:`pack_signs` on the ``(..., C)`` buffer)."""
+    *lead, blocks, block = signs.shape
+    bits = signs.reshape(*lead, blocks, block // 8, 8).astype(jnp.uint8) << jnp.asarray(_SHIFTS)
+    return jnp.sum(bits, axis=-1, dtype=jnp.uint8).reshape(*lead, blocks * block // 8)
+
+
+def unpack_blocks(packed: jax.Array, scales: jax.Array, layout: Layout) -> jax.Array:
+    """Decodes packed signs ``(..., C / 8)`` with per-leaf scales ``(..., L)`` into blocks
+    ``(..., C / B, B)`` of ``+-scale`` (typed like ``scales``)."""
+    *lead, _ = packed.shape
+    grouped = packed.reshape(*lead, layout.num_blocks, layout.block // 8, 1)
+    bits = (grouped >> jnp.asarray(_SHIFTS)) & jnp.uint8(1)
+    signs = 2 * bits.astype(scales.dtype) - 1
+    per_block = layout.per_block(scales)[..., None]
+    return (signs * per_block).reshape(*lead, layout.num_blocks, layout.block)
 
 
 def pack_signs(signs: jax.Array) -> jax.Array:

@@ -255,10 +255,15 @@ class Layout:
             per_block, jnp.asarray(self.block_leaf), self.num_leaves, indices_are_sorted=True
         )
 
+    def per_block(self, per_leaf: jax.Array) -> jax.Array:
+        """Per-leaf values ``(..., L)`` as one value per block, ``(..., C / B, 1)``: broadcast
+        against a buffer's blocks (:meth:`blocks`)."""
+        return jnp.take(per_leaf, jnp.asarray(self.block_leaf), axis=-1)[..., None]
+
     def per_column(self, per_leaf: jax.Array) -> jax.Array:
         """Per-leaf values ``(..., L)`` spread over each leaf's columns: ``(..., C)``."""
-        per_block = jnp.take(per_leaf, jnp.asarray(self.block_leaf), axis=-1)
-        spread = jnp.broadcast_to(per_block[..., None], (*per_block.shape, self.block))
+        per_block = self.per_block(per_leaf)
+        spread = jnp.broadcast_to(per_block, (*per_block.shape[:-1], self.block))
         return spread.reshape(*per_leaf.shape[:-1], self.width)
 
 
