@@ -239,19 +239,19 @@ def _serve(
     a node's share): every server's packed chunk and scales, gathered ``(n, C/8 + 4L)``, and the
     new worker and server errors.
 
-    The arithmetic runs on the blocks view (``(n, C/B, B)``; :func:`compression.compress_blocks`
-    says why); only the packed bytes and the returned errors are ``(n, C)``-shaped."""
+    The server stage runs on the blocks view (``(n, C/B, B)``; :func:`compression.compress_blocks`
+    says why), phase 1 on the ``(n, C)`` buffer."""
     n, width = x.shape[0], layout.width
     in_chunk = layout.in_chunk()
     valid = in_chunk if in_chunk is True else layout.blocks(in_chunk)
 
     # Phase 1: compress locally; row j (chunk j of every leaf) and all scales go to worker j.
-    signs, scales, worker_error = compression.compress_blocks(
-        layout.blocks(x + worker_error), layout, n * layout.chunks, valid
+    signs, scales, worker_error = compression.compress(
+        x + worker_error, layout, n * layout.chunks, in_chunk
     )
     scale_bytes = compression.scales_to_bytes(scales)
     payload = jnp.concatenate(
-        [compression.pack_blocks(signs), jnp.broadcast_to(scale_bytes, (n, scale_bytes.size))], 1
+        [compression.pack_signs(signs), jnp.broadcast_to(scale_bytes, (n, scale_bytes.size))], 1
     )
     received = lax.all_to_all(payload, axis, 0, 0, tiled=True)  # row i: from worker i
 
@@ -270,7 +270,7 @@ def _serve(
 
     # Phase 2: every worker gathers every server's chunk.
     gathered = lax.all_gather(reply, axis, axis=0, tiled=False)  # (n, C/8 + 4L)
-    return gathered, worker_error.reshape(x.shape), server_error.reshape(width)
+    return gathered, worker_error, server_error.reshape(width)
 
 
 def _decode(gathered: jax.Array, layout: Layout, like: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -278,13 +278,11 @@ def _decode(gathered: jax.Array, layout: Layout, like: jax.Array) -> tuple[jax.A
     padding, typed like ``like``; and whether every scale is finite."""
     width = layout.width
     server_scales = compression.bytes_to_scales(gathered[:, width // 8 :])  # (N, L)
-    decoded = compression.unpack_blocks(
-        gathered[:, : width // 8], server_scales.astype(like.dtype), layout
+    decoded = layout.per_column(server_scales.astype(like.dtype)) * compression.unpack_signs(
+        gathered[:, : width // 8], like.dtype
     )
     element = layout.is_element()
-    if element is not True:
-        decoded = jnp.where(layout.blocks(element), decoded, 0)
-    mean = decoded.reshape(gathered.shape[0], width)
+    mean = decoded if element is True else jnp.where(element, decoded, 0)
     mean = _graph.vary_over(mean, _graph.varying_axes(like))
     return mean, jnp.all(jnp.isfinite(server_scales))
 

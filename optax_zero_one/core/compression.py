@@ -7,7 +7,7 @@ no communication, for buffers in the worker-major :class:`~optax_zero_one.core.f
 - :func:`compress`: error-compensated signs, per-leaf scales and the new error;
 - :func:`pack_signs` / :func:`unpack_signs`: 8 signs per byte and back;
 - :func:`compress_blocks`, :func:`pack_blocks`, :func:`unpack_blocks`: the same on the blocks
-  view of a buffer (``(R, C / B, B)``), in which the collective works (faster on XLA:CPU);
+  view of a buffer (``(R, C / B, B)``), in which the server stage works (faster on XLA:CPU);
 - :func:`scales_to_bytes` / :func:`bytes_to_scales`: float32 scales bit-cast into a byte payload.
 
 Every operation is elementwise, a reduction over fixed blocks of columns, or a segment sum over
@@ -15,9 +15,6 @@ the blocks: a few operations for the whole tree, whatever the number of leaves.
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,28 +35,15 @@ _DOWN, _UP = 2.0**-96, 2.0**96  # bring peaks in [2**48, 2**128) and [2**-149, 2
 def _sums_and_peaks(blocks: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
     """Per leaf: the sums of squares of ``a``, ``a * 2**-96`` and ``a * 2**96`` (``(3, L)``)
     and the largest magnitude (``(L,)``) of ``a``, given as blocks (``(R, C / B, B)``), in one
-    pass.
-
-    The rows are combined first, elementwise (a chain of additions and maxima, as
-    :func:`ordered_sum`), and the four quantities then reduced over each block's ``B`` columns
-    in one variadic reduction: on XLA:CPU that is ~1.6x faster than one reduction over the rows
-    and the columns together (``docs/benchmarks/overhead.md``, "The compressed mean")."""
-    down, up = jnp.asarray(_DOWN, blocks.dtype), jnp.asarray(_UP, blocks.dtype)
-    rows = [blocks[i] for i in range(blocks.shape[0])]
-
-    def fold(each: Callable, combine: Callable) -> jax.Array:
-        return functools.reduce(combine, [each(r) for r in rows])
-
-    plain = fold(jnp.square, jnp.add)
-    small = fold(lambda r: jnp.square(r * down), jnp.add)
-    large = fold(lambda r: jnp.square(r * up), jnp.add)
-    magnitude = fold(jnp.abs, jnp.maximum)
+    pass."""
     zero = jnp.zeros([], blocks.dtype)
+    magnitude = jnp.abs(blocks)
+    down, up = jnp.asarray(_DOWN, blocks.dtype), jnp.asarray(_UP, blocks.dtype)
     plain, small, large, peaks = lax.reduce(
-        (plain, small, large, magnitude),
+        (jnp.square(blocks), jnp.square(blocks * down), jnp.square(blocks * up), magnitude),
         (zero, zero, zero, zero),
         lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2], jnp.maximum(x[3], y[3])),
-        (1,),
+        (0, 2),
     )
     leaf = jnp.asarray(layout.block_leaf)
     n = layout.num_leaves
@@ -99,10 +83,13 @@ def compress_blocks(
     """:func:`compress` on blocks: ``blocks`` ``(R, C / B, B)`` and ``valid`` broadcastable to
     it; signs and new error returned as blocks too.
 
-    The collective keeps its buffers in this view from compression to decoding: XLA:CPU fuses
-    a per-leaf scale spread over blocks, an unpack and a sum over rows into fast loops when
-    they share one shape, and into slow ones (an index division per element) when a reshape
-    to ``(R, C)`` sits between them (``docs/benchmarks/overhead.md``, "The compressed mean")."""
+    The server stage of the collective works in this view: there a per-leaf scale spread over
+    blocks, an unpack of 8 signs per byte and a sum over rows meet, and XLA:CPU fuses them into
+    fast loops when they share one shape, into slow ones (an index division per element) when a
+    reshape to ``(R, C)`` sits between them. Measured, not assumed: phase 1 and the decoding
+    stay ``(R, C)``-shaped, because there the producers and consumers around them are, and the
+    blocks view made the whole step slower (``docs/benchmarks/overhead.md``, "The compressed
+    mean on CPU")."""
     scales = _rms(blocks, layout, lengths)
     per_block = layout.per_block(scales)
     signs = blocks >= 0
@@ -134,10 +121,13 @@ def compress(
     Returns:
       ``(signs, scales, new_error)``: bool like ``a``, float ``(L,)``, float like ``a``.
     """
+    scales = _rms(layout.blocks(a), layout, lengths)
+    column = layout.per_column(scales)
+    signs = a >= 0
+    new_error = a - jnp.where(signs, column, -column)
     if valid is not True:
-        valid = layout.blocks(jnp.broadcast_to(valid, a.shape))
-    signs, scales, new_error = compress_blocks(layout.blocks(a), layout, lengths, valid)
-    return signs.reshape(a.shape), scales, new_error.reshape(a.shape)
+        new_error = jnp.where(valid, new_error, 0)
+    return signs, scales, new_error
 
 
 _SHIFTS = 7 - np.arange(8, dtype=np.uint8)  # the first of 8 signs is a byte's top bit

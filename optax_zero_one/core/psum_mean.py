@@ -277,12 +277,8 @@ def compressed_mean(
     shared = decode_scales(
         summed[words.size :].reshape(layout.num_leaves, SCALE_WORDS), num_workers
     )
-    # The blocks view (see compression.compress_blocks): the per-leaf scale spreads over blocks.
-    scale = layout.per_block(shared.astype(x.dtype))
-    blocks = lambda v: v if v is True else layout.blocks(v)  # noqa: E731
-    level = (2 * blocks(counts) - num_workers).astype(x.dtype) / num_workers  # 1 rounding
-    sign = 2 * blocks(signs).astype(x.dtype) - 1
-    mean = jnp.where(blocks(element), scale * level, 0)
-    new_error = jnp.where(blocks(element), blocks(a) - scale * sign, 0)
-    shape = x.shape
-    return mean.reshape(shape), new_error.reshape(shape), jnp.all(jnp.isfinite(shared))
+    scale = layout.per_column(shared.astype(x.dtype))
+    level = (2 * counts - num_workers).astype(x.dtype) / num_workers  # exact integer, 1 rounding
+    mean = jnp.where(element, scale * level, 0)
+    new_error = jnp.where(element, a - jnp.where(signs, scale, -scale), 0)
+    return mean, new_error, jnp.all(jnp.isfinite(shared))
