@@ -45,12 +45,14 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
+import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import optax_zero_one as ozo  # noqa: E402
 from benchmarks import convergence_long as cl  # noqa: E402
-from benchmarks.support import common  # noqa: E402
+from benchmarks.support import common, training  # noqa: E402
 
 OPTIMIZERS = ("adamw", "zero_one_adam", "diloco_float", "diloco_1bit", "muloco_1bit")
 FAMILY = ("diloco_float", "diloco_1bit", "muloco_1bit", "muloco_psum")
@@ -197,6 +199,26 @@ def reuse_runs(study: cl.Study, source: pathlib.Path, partial: pathlib.Path) -> 
     return sorted(runs)
 
 
+def probe(name: str, lr: float) -> dict[str, Any]:
+    """One run of ``name`` as ``--long``'s sweep trains it (1,200 steps, seed 0): a quick
+    diagnostic between two rows, e.g. how much of DiLoCo 1-bit's gap the server's second
+    compression makes (``diloco_psum`` has none)."""
+    study = PRESETS["long"]
+    cfg = study.config(name, study.sweep_steps, lr, 0, study.sweep_eval_every)
+    common.setup_cpu_devices(training.NUM_WORKERS)
+    mesh = ozo.worker_mesh(common.AXIS, training.NUM_WORKERS)
+    start = time.perf_counter()
+    run = training.train(name, cfg, training.make_workload(cfg), mesh, progress=False)
+    run = cl._compact(run, study.train_loss_block)
+    keep = ("final_val_loss", "bytes_per_worker")
+    return {
+        "row": name,
+        "lr": lr,
+        **{k: run.get(k) for k in keep},
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = common.argument_parser("benchmarks.diloco", __doc__)
     parser.add_argument("--quick", action="store_true", help="a few-minute check, no claims")
@@ -209,7 +231,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
     parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--probe",
+        nargs=2,
+        metavar=("ROW", "LR"),
+        help="one sweep-length run of ROW (any of training.LOCO, e.g. diloco_psum) at peak rate "
+        "LR on seed 0 under --long's protocol; prints its final loss and bytes, writes nothing",
+    )
     args = parser.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(args.probe[0], float(args.probe[1]))))
+        return
     preset = "quick" if args.quick else "long" if args.long else "full"
     study = PRESETS[preset]
     stem = "diloco" + ("" if preset == "full" else f"_{preset}")

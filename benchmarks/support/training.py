@@ -42,7 +42,7 @@ MESH_EXTRA = ("zero_one_adam_node_mean",)
 # outside (lr 0.7, momentum 0.9, Douillard et al.), a sync every ``sync_every`` steps; the
 # average of the deltas exact in float32 or 1-bit with error feedback (two-phase, or for
 # ``muloco_psum`` the psum backend: each worker's signs summed as integer counts).
-LOCO = ("diloco_float", "diloco_1bit", "muloco_1bit", "muloco_psum")
+LOCO = ("diloco_float", "diloco_1bit", "diloco_psum", "muloco_1bit", "muloco_psum")
 
 
 @dataclasses.dataclass(frozen=True)
