@@ -13,9 +13,15 @@ runs of AdamW and 0/1 Adam (read from ``results/convergence_long.json``, not rer
 - ``alpha_50``: ``local_step_scaler`` 50% of the run (local intervals grow later);
 - ``freeze_15_kappa_4_alpha_5``: the later freeze with ``var_update_scaler`` 4 and
   ``local_step_scaler`` 5% of the run: fewer variance steps and syncs, to keep bytes and
-  rounds within the claims (tuned here, not a recipe).
+  rounds within the claims (tuned here, not a recipe);
+- ``freeze_15_seed1``, ``freeze_15_seed2``: ``freeze_15`` on the study's seeds 1 and 2;
+- ``wide_adamw``, ``wide_onebit_adam``, ``wide_zero_one_adam``: the model at ``dim`` 128
+  (the study's is 64), each optimizer on its recipe at the study's best rate for ``dim`` 64
+  (not swept again); compared with ``wide_adamw``; ``wide_onebit_adam_4e-3`` the next rate
+  down for 1-bit Adam, which diverged at 8e-3.
 
-One seed each: a direction, not a claim (the study's seeds spread 1.36-1.41 for 0/1 Adam).
+One seed each (seed 0 unless named): a direction, not a claim (the study's seeds spread
+1.36-1.41 for 0/1 Adam). Each run is compared with the study's AdamW run on its own seed.
 
 Run: ``python -m benchmarks.zero_one_ablation`` (~30 min on 2 cores);
 ``--variants`` picks some; ``--resume`` skips the runs already saved. Writes
@@ -37,6 +43,7 @@ from benchmarks.support import common, training
 
 STEPS = 6000
 BASE_LR = 4e-3  # 0/1 Adam's best rate in the study's sweep
+WIDE_GPT = tuple((k, 128 if k == "dim" else v) for k, v in training.SMALL_GPT)
 VARIANTS: dict[str, dict[str, Any]] = {
     "freeze_15": {"freeze": 0.15},
     "no_local": {"clipper": 1},
@@ -46,25 +53,53 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # bytes and rounds stay below 1-bit Adam's by the claimed margins (a tuned variant, not
     # DeepSpeed's recipe)
     "freeze_15_kappa_4_alpha_5": {"freeze": 0.15, "kappa": 4, "local_scaler": 0.05},
+    # the later freeze on the study's other two seeds: freeze_15 on 3 seeds, as the study's rows
+    "freeze_15_seed1": {"freeze": 0.15, "seed": 1},
+    "freeze_15_seed2": {"freeze": 0.15, "seed": 2},
+    # a wider model (dim 128, the study's is 64): AdamW, 1-bit Adam and 0/1 Adam on their recipes
+    # at the study's best rates for dim 64 (not swept again), to see which way the gaps move
+    "wide_adamw": {"optimizer": "adamw", "model": WIDE_GPT, "peak_lr": 8e-3},
+    "wide_onebit_adam": {"optimizer": "onebit_adam", "model": WIDE_GPT, "peak_lr": 8e-3},
+    "wide_zero_one_adam": {"model": WIDE_GPT},
+    # 1-bit Adam diverged at 8e-3 on the wide model (right after its freeze): the next rate down
+    "wide_onebit_adam_4e-3": {"optimizer": "onebit_adam", "model": WIDE_GPT, "peak_lr": 4e-3},
 }
 
 
+def optimizer_of(changes: dict[str, Any]) -> str:
+    """The optimizer a variant trains: 0/1 Adam unless it names another."""
+    return changes.get("optimizer", "zero_one_adam")
+
+
 def config(changes: dict[str, Any], steps: int = STEPS) -> training.Config:
-    """The study's seed-0 long run of 0/1 Adam with ``changes`` applied."""
+    """The study's seed-0 long run of 0/1 Adam (or of the variant's ``optimizer``) with
+    ``changes`` applied."""
     study = convergence_long.PRESETS["long"]
-    base = study.config("zero_one_adam", steps, BASE_LR, 0, study.long_eval_every)
-    return dataclasses.replace(base, **changes)
+    name = optimizer_of(changes)
+    base = study.config(name, steps, BASE_LR, 0, study.long_eval_every)
+    return dataclasses.replace(base, **{k: v for k, v in changes.items() if k != "optimizer"})
 
 
-def study_runs(path: pathlib.Path) -> dict[str, dict[str, Any]]:
-    """The study's seed-0 runs this ablation compares with (``{}`` if the file is missing)."""
+def reference(name: str, run: dict[str, Any], result: dict[str, Any]) -> float | None:
+    """The AdamW final loss a run is compared with: the wide AdamW run for a wide one, else the
+    study's AdamW on the run's seed."""
+    if "model" in run.get("changes", {}):
+        wide = result["variants"].get("wide_adamw")
+        return None if wide is None else wide["final_val_loss"]
+    adamw = {int(k): v for k, v in result.get("study_adamw_by_seed", {}).items()}
+    return adamw.get(run.get("seed", 0))
+
+
+def study_runs(path: pathlib.Path, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """The study's runs on ``seed`` this ablation compares with (``{}`` if the file is
+    missing)."""
     if not path.exists():
         return {}
     runs = json.loads(path.read_text())["runs"]
     return {
-        name: runs[f"long/{name}/0"]
+        name: runs[f"long/{name}/{seed}"]
         for name in ("adamw", "zero_one_adam", "local_adam", "onebit_adam")
-        if f"long/{name}/0" in runs
+        if f"long/{name}/{seed}" in runs
     }
 
 
@@ -78,15 +113,24 @@ def row(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _shown(changes: dict[str, Any]) -> dict[str, Any]:
+    """A variant's changes for the table: a model by its width."""
+    return {
+        ("dim" if k == "model" else k): (dict(v)["dim"] if k == "model" else v)
+        for k, v in changes.items()
+    }
+
+
 def markdown(result: dict[str, Any]) -> str:
-    ref = result["study_seed0"].get("adamw", {}).get("final_val_loss")
     lines = [
-        "| run | changes | final val | vs AdamW seed 0 | lowest val | MB/worker | rounds |",
+        "| run | changes | final val | vs AdamW (same seed, same model) | lowest val | MB/worker "
+        "| rounds |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     rows = [(f"study: {k}", "as in the study", v) for k, v in result["study_seed0"].items()]
-    rows += [(k, json.dumps(v["changes"]), v) for k, v in result["variants"].items()]
+    rows += [(k, json.dumps(_shown(v["changes"])), v) for k, v in result["variants"].items()]
     for name, changes, r in rows:
+        ref = reference(name, r, result)
         rel = "" if ref is None else f"{100 * (r['final_val_loss'] / ref - 1):+.2f}%"
         lines.append(
             f"| {name} | {changes} | {r['final_val_loss']:.4f} | {rel} | "
@@ -115,20 +159,32 @@ def main(argv: list[str] | None = None) -> None:
         "study_seed0": {
             k: row(v) for k, v in study_runs(common.RESULTS / "convergence_long.json").items()
         },
+        "study_adamw_by_seed": {
+            seed: runs["adamw"]["final_val_loss"]
+            for seed in (0, 1, 2)
+            if "adamw" in (runs := study_runs(common.RESULTS / "convergence_long.json", seed))
+        },
         "variants": {k: v for k, v in saved.items() if k in args.variants},
     }
-    workload = None
+    workloads: dict[tuple, Any] = {}  # data order and initial params follow seed and model
     for name in args.variants:
         if name in result["variants"]:
             continue
         cfg = config(VARIANTS[name], args.steps)
-        workload = workload or training.make_workload(cfg)
+        key = (cfg.seed, cfg.model)
+        if key not in workloads:
+            workloads[key] = training.make_workload(cfg)
+        workload = workloads[key]
         start = time.perf_counter()
-        run = training.train("zero_one_adam", cfg, workload, mesh, progress=False)
+        optimizer = optimizer_of(VARIANTS[name])
+        run = training.train(optimizer, cfg, workload, mesh, progress=False)
         run["final_val_loss"] = run["final_val"]["loss"]
         result["variants"][name] = {
             "changes": VARIANTS[name],
-            "recipe": convergence_long.recipe("zero_one_adam", cfg, workload),
+            "optimizer": optimizer,
+            "seed": cfg.seed,
+            "model": dict(cfg.model),
+            "recipe": convergence_long.recipe(optimizer, cfg, workload),
             "seconds": round(time.perf_counter() - start, 1),
             **row(run),
             "val": {"step": run["val"]["step"], "loss": run["val"]["loss"]},
