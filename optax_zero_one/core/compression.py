@@ -77,6 +77,18 @@ def leaf_rms(a: jax.Array, layout: Layout, lengths: np.ndarray) -> tuple[jax.Arr
     return a, _rms(layout.blocks(a), layout, lengths)
 
 
+def _signs_and_error(
+    a: jax.Array, scale: jax.Array, valid: jax.Array | bool
+) -> tuple[jax.Array, jax.Array]:
+    """``a >= 0`` and ``a - scale * (+-1)`` (zero outside ``valid``), ``scale`` broadcast
+    against ``a``."""
+    signs = a >= 0
+    new_error = a - jnp.where(signs, scale, -scale)
+    if valid is not True:
+        new_error = jnp.where(valid, new_error, 0)
+    return signs, new_error
+
+
 def compress_blocks(
     blocks: jax.Array, layout: Layout, lengths: np.ndarray, valid: jax.Array | bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -91,11 +103,7 @@ def compress_blocks(
     blocks view made the whole step slower (``docs/benchmarks/overhead.md``, "The compressed
     mean on CPU")."""
     scales = _rms(blocks, layout, lengths)
-    per_block = layout.per_block(scales)
-    signs = blocks >= 0
-    new_error = blocks - (2 * signs.astype(blocks.dtype) - 1) * per_block
-    if valid is not True:
-        new_error = jnp.where(valid, new_error, 0)
+    signs, new_error = _signs_and_error(blocks, layout.per_block(scales), valid)
     return signs, scales, new_error
 
 
@@ -122,11 +130,7 @@ def compress(
       ``(signs, scales, new_error)``: bool like ``a``, float ``(L,)``, float like ``a``.
     """
     scales = _rms(layout.blocks(a), layout, lengths)
-    column = layout.per_column(scales)
-    signs = a >= 0
-    new_error = a - jnp.where(signs, column, -column)
-    if valid is not True:
-        new_error = jnp.where(valid, new_error, 0)
+    signs, new_error = _signs_and_error(a, layout.per_column(scales), valid)
     return signs, scales, new_error
 
 
