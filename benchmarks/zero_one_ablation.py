@@ -80,7 +80,7 @@ def config(changes: dict[str, Any], steps: int = STEPS) -> training.Config:
     return dataclasses.replace(base, **{k: v for k, v in changes.items() if k != "optimizer"})
 
 
-def reference(name: str, run: dict[str, Any], result: dict[str, Any]) -> float | None:
+def reference(run: dict[str, Any], result: dict[str, Any]) -> float | None:
     """The AdamW final loss a run is compared with: the wide AdamW run for a wide one, else the
     study's AdamW on the run's seed."""
     if "model" in run.get("changes", {}):
@@ -90,12 +90,8 @@ def reference(name: str, run: dict[str, Any], result: dict[str, Any]) -> float |
     return adamw.get(run.get("seed", 0))
 
 
-def study_runs(path: pathlib.Path, seed: int = 0) -> dict[str, dict[str, Any]]:
-    """The study's runs on ``seed`` this ablation compares with (``{}`` if the file is
-    missing)."""
-    if not path.exists():
-        return {}
-    runs = json.loads(path.read_text())["runs"]
+def study_runs(runs: dict[str, Any], seed: int = 0) -> dict[str, dict[str, Any]]:
+    """The study's runs on ``seed`` this ablation compares with, from the study's ``runs``."""
     return {
         name: runs[f"long/{name}/{seed}"]
         for name in ("adamw", "zero_one_adam", "local_adam", "onebit_adam")
@@ -130,7 +126,7 @@ def markdown(result: dict[str, Any]) -> str:
     rows = [(f"study: {k}", "as in the study", v) for k, v in result["study_seed0"].items()]
     rows += [(k, json.dumps(_shown(v["changes"])), v) for k, v in result["variants"].items()]
     for name, changes, r in rows:
-        ref = reference(name, r, result)
+        ref = reference(r, result)
         rel = "" if ref is None else f"{100 * (r['final_val_loss'] / ref - 1):+.2f}%"
         lines.append(
             f"| {name} | {changes} | {r['final_val_loss']:.4f} | {rel} | "
@@ -151,18 +147,18 @@ def main(argv: list[str] | None = None) -> None:
     mesh = ozo.worker_mesh(common.AXIS, training.NUM_WORKERS)
     out = args.out_dir / "zero_one_ablation.json"
     saved = json.loads(out.read_text())["variants"] if args.resume and out.exists() else {}
+    source = common.RESULTS / "convergence_long.json"  # the study's runs, read once
+    study = json.loads(source.read_text())["runs"] if source.exists() else {}
     result: dict[str, Any] = {
         "benchmark": "zero_one_ablation",
         "steps": args.steps,
         "seed": 0,
         "base_lr": BASE_LR,
-        "study_seed0": {
-            k: row(v) for k, v in study_runs(common.RESULTS / "convergence_long.json").items()
-        },
+        "study_seed0": {k: row(v) for k, v in study_runs(study).items()},
         "study_adamw_by_seed": {
-            seed: runs["adamw"]["final_val_loss"]
+            seed: by_seed["adamw"]["final_val_loss"]
             for seed in (0, 1, 2)
-            if "adamw" in (runs := study_runs(common.RESULTS / "convergence_long.json", seed))
+            if "adamw" in (by_seed := study_runs(study, seed))
         },
         "variants": {k: v for k, v in saved.items() if k in args.variants},
     }
