@@ -45,6 +45,10 @@ whole update ``params, state <- apply_updates(params, update(grads, state, param
    dispatched and in-graph against ``optax.adam`` and ``optax.adam`` + pmean through the same
    helper, each kept running over ``--dp-steps`` consecutive steps.
 
+On a GPU: ``JAX_PLATFORMS=cuda python -m benchmarks.overhead --dp-here --dp-devices 1`` runs all
+five there (the vmapped workers share the one GPU; ``--dp-here`` runs ``dp.jit`` on the process's
+own devices instead of 2 simulated CPU devices, ``--dp-width`` scales its tree).
+
 Writes ``results/overhead.json``, ``.png`` and ``.md`` (``--quick``: ``overhead_quick.*``);
 Default step-time trees: ``gpt2(8, 192, vocab=2009, positions=286)`` (3,999,936 parameters in
 100 leaves) and the same 3,999,936 parameters as 10 leaves of ``(~2083, 192)``. ``--quick``
@@ -303,7 +307,7 @@ def compile_in_fresh_process(program: str, leaves: int, workers: int) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.overhead", "--compile-one", program]
     cmd += ["--compile-leaves", str(leaves), "--compile-workers", str(workers)]
     # no persistent compilation cache either: every compile is a first compile
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")  # on this process's platform
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("COMPILE ")]
     if out.returncode or not lines:
@@ -570,22 +574,32 @@ def _row_line(row: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 # 5. Through dp.jit on a real 2-device mesh (a child process with 2 simulated devices)
 
-DP_TREE = {
-    **{f"w{i}": jax.ShapeDtypeStruct((1024, 1024), jnp.float32) for i in range(4)},
-    **{f"b{i}": jax.ShapeDtypeStruct((1024,), jnp.float32) for i in range(2)},
-}  # 4,196,352 parameters per worker in 6 leaves
+
+def dp_tree(width: int = 1024) -> dict:
+    """Four ``width x width`` matrices and two ``width`` vectors: at the default width 4,196,352
+    parameters per worker in 6 leaves (the workload of issue "Core v3")."""
+    return {
+        **{f"w{i}": jax.ShapeDtypeStruct((width, width), jnp.float32) for i in range(4)},
+        **{f"b{i}": jax.ShapeDtypeStruct((width,), jnp.float32) for i in range(2)},
+    }
 
 
-def measure_data_parallel_here(steps: int) -> dict:
-    """Per-kind step times through ``ozo.data_parallel(...).jit`` on this process's 2 devices,
-    gradients given (the batch *is* each worker's gradient): plain ``optax.adam``,
-    ``optax.adam`` + pmean, 0/1 Adam dispatched (one program per kind) and in-graph (one
-    program), each kept running over ``steps`` consecutive steps, donated, every step waited
-    for and timed right after the two baselines."""
-    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    dp = ozo.data_parallel(mesh, DP_TREE, "data")
+def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) -> dict:
+    """Per-kind step times through ``ozo.data_parallel(...).jit`` on ``devices`` of this
+    process's devices, gradients given (the batch *is* each worker's gradient): plain
+    ``optax.adam``, ``optax.adam`` + pmean, 0/1 Adam dispatched (one program per kind) and
+    in-graph (one program), each kept running over ``steps`` consecutive steps, donated, every
+    step waited for and timed right after the two baselines."""
+    if jax.device_count() < devices:
+        raise SystemExit(
+            f"the dp.jit measurement wants {devices} devices and this process has "
+            f"{jax.device_count()}: pass --dp-devices {jax.device_count()}"
+        )
+    tree = dp_tree(width)
+    mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    dp = ozo.data_parallel(mesh, tree, "data")
     rng = np.random.default_rng(0)
-    host = {k: rng.standard_normal((2, *x.shape), np.float32) for k, x in DP_TREE.items()}
+    host = {k: rng.standard_normal((devices, *x.shape), np.float32) for k, x in tree.items()}
     params0 = dp.to_workers(jax.tree.map(lambda x: x[0], host))
     grads = jax.device_put(
         jax.tree.map(lambda x: 1e-2 * x, host),
@@ -641,8 +655,9 @@ def measure_data_parallel_here(steps: int) -> dict:
         row["steps"] = len(per[ADAM])
         out[kind] = row
     return {
-        "params": model_trees.numel(DP_TREE),
-        "leaves": len(DP_TREE),
+        "params": model_trees.numel(tree),
+        "leaves": len(tree),
+        "devices": f"{devices} x {jax.devices()[0].device_kind} ({jax.default_backend()})",
         "kinds": out,
         "plain_jit_adam_ms": _plain_jit_adam_ms(host, steps),
     }
@@ -669,9 +684,10 @@ def _plain_jit_adam_ms(host: dict, steps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def measure_data_parallel(steps: int) -> dict:
+def measure_data_parallel(steps: int, width: int = 1024) -> dict:
     """:func:`measure_data_parallel_here` in a child process with 2 simulated CPU devices."""
     cmd = [sys.executable, "-m", "benchmarks.overhead", "--dp-child", "--dp-steps", str(steps)]
+    cmd += ["--dp-width", str(width)]
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -687,7 +703,7 @@ def measure_data_parallel(steps: int) -> dict:
 
 def data_parallel_table(res: dict) -> list[str]:
     out = [
-        f"Through dp.jit on a 2-device CPU mesh (shard_map, in-process collectives), "
+        f"Through dp.jit on a mesh of {res.get('devices', '2 x cpu')} (shard_map), "
         f"{res['params']:,} params per worker in {res['leaves']} leaves, gradients given, "
         "median per kind over a continuous run (each step timed right after optax.adam and "
         "optax.adam + pmean through the same helper). Targets: "
@@ -719,9 +735,14 @@ def data_parallel_table(res: dict) -> list[str]:
             "",
             f"For reference, optax.adam on one worker's tree under plain jax.jit on one device: "
             f"{plain:.1f} ms; through dp.jit (one worker per core, the median of the adam "
-            f"column) {adam:.1f} ms, {adam / plain:.1f}x. XLA:CPU copies donated buffers "
-            "when the update's inputs reach it through the worker axis (docs/jit.md, "
-            '"Performance on CPU"); the ratios above compare programs that pay it alike.',
+            f"column) {adam:.1f} ms, {adam / plain:.1f}x."
+            + (
+                " XLA:CPU copies donated buffers when the update's inputs reach it through "
+                'the worker axis (docs/jit.md, "Performance on CPU"); the ratios above compare '
+                "programs that pay it alike."
+                if "cpu" in res.get("devices", "cpu")
+                else ""
+            ),
         ]
     return [*out, ""]
 
@@ -886,6 +907,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-steps", type=int, default=None, help="dp.jit run length (default 64)")
     p.add_argument("--skip-data-parallel", action="store_true")
     p.add_argument("--dp-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--dp-here",
+        action="store_true",
+        help="dp.jit on this process's own devices (a GPU), not 2 simulated CPU devices",
+    )
+    p.add_argument("--dp-devices", type=int, default=2, help="with --dp-here (default 2)")
+    p.add_argument("--dp-width", type=int, default=1024, help="dp.jit tree width (1024: 4.2M)")
     p.add_argument("--out", default=None, help="JSON path (default results/overhead.json)")
     return p
 
@@ -898,7 +926,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("COMPILE " + json.dumps(row), flush=True)
         return row
     if args.dp_child:  # a child process of the dp.jit measurement, on 2 simulated devices
-        row = measure_data_parallel_here(args.dp_steps or RUN_STEPS)
+        row = measure_data_parallel_here(args.dp_steps or RUN_STEPS, args.dp_width)
         print("DP " + json.dumps(row), flush=True)
         return row
     quick = args.quick
@@ -948,8 +976,15 @@ def main(argv: list[str] | None = None) -> dict:
             )
             result["steps"].append(measure_steps(tree, args.workers, repeats, log))
     if not args.skip_data_parallel:
-        log("\nThrough dp.jit on a 2-device mesh (child process):")
-        result["data_parallel"] = measure_data_parallel(args.dp_steps or RUN_STEPS)
+        steps = args.dp_steps or RUN_STEPS
+        if args.dp_here:
+            log(f"\nThrough dp.jit on {args.dp_devices} of this process's devices:")
+            result["data_parallel"] = measure_data_parallel_here(
+                steps, args.dp_width, args.dp_devices
+            )
+        else:
+            log("\nThrough dp.jit on a 2-device mesh (child process):")
+            result["data_parallel"] = measure_data_parallel(steps, args.dp_width)
         for line in data_parallel_table(result["data_parallel"]):
             log("  " + line)
     state_tree = trees[0]

@@ -37,22 +37,23 @@ def train_with_helper(mesh, steps=STEPS):
     return run["dp"], run["tx"], run["params_w"], run["state"], run["losses"], run["step"]
 
 
-def test_one_d_mesh_is_bitwise_the_explicit_shard_map_loop():
-    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+@pytest.mark.parametrize("n", [N, 1])  # 1: one device (e.g. one GPU), where specs drop the axis
+def test_one_d_mesh_is_bitwise_the_explicit_shard_map_loop(n):
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:n])
     dp, tx, step, params = job.setup(mesh)
     assert not dp.model_sharded
     params_w = dp.to_workers(params)
     state = dp.init(tx, params_w)
     train = dp.jit(step)
     # today's explicit loop: ozo.on_workers over a 1-D worker mesh, batch split by hand
-    ref_mesh = ozo.worker_mesh("data", N)
-    ref_p = ozo.to_workers(ozo.replicate(host_params(), N), ref_mesh)
+    ref_mesh = ozo.worker_mesh("data", n)
+    ref_p = ozo.to_workers(ozo.replicate(host_params(), n), ref_mesh)
     ref_s = jax.jit(ozo.on_workers(make_tx().init, ref_mesh))(ref_p)
     ref_step = jax.jit(ozo.on_workers(step, ref_mesh))
     for x in batches(STEPS):
         params_w, state, loss = jax.block_until_ready(train(params_w, state, x))
         ref_p, ref_s, ref_loss = jax.block_until_ready(
-            ref_step(ref_p, ref_s, ozo.to_workers(x.reshape(N, -1, 16), ref_mesh))
+            ref_step(ref_p, ref_s, ozo.to_workers(x.reshape(n, -1, 16), ref_mesh))
         )
         np.testing.assert_array_equal(np.asarray(loss), np.asarray(ref_loss))
     for a, b in zip(jax.tree.leaves(params_w), jax.tree.leaves(ref_p), strict=True):
