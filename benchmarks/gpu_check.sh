@@ -6,6 +6,7 @@
 # one before it failed; everything lands in $OUT/gpu.tar.gz, the log in $OUT/gpu.log.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh   # from the repository root, on the GPU machine
+#   STAGES="tests small" OV_ARGS=--skip-steps ...  # some stages; extra benchmark arguments
 #
 # It runs under the machine's own python3 and JAX (not the project's pins); optax is installed
 # from .whl/ when one is carried there.
@@ -22,9 +23,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=/tmp/site:.
 fi
-stage() {  # stage NAME SECONDS CMD...
+stage() {  # stage NAME SECONDS CMD...; STAGES="small tests" runs only those
   local name=$1 limit=$2
   shift 2
+  case " ${STAGES:-small large tests compile} " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
   timeout "$limit" "$@"
@@ -33,7 +35,7 @@ stage() {  # stage NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
 python3 -c 'import jax, optax, sys; print(sys.version.split()[0], "jax", jax.__version__,
   "optax", optax.__version__, jax.devices())'
-ov="python3 -m benchmarks.overhead --skip-compile --dp-here --dp-devices 1 --repeats 5"
+ov="python3 -m benchmarks.overhead --skip-compile --dp-here --dp-devices 1 --repeats 5 ${OV_ARGS:-}"
 stage small 180 $ov $small --leaves 100 --out "$OUT/r/gpu_small.json"
 stage large 120 $ov $large --leaves 10 --out "$OUT/r/gpu_large.json"
 stage tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_step_kinds.py \

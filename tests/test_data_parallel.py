@@ -227,6 +227,12 @@ def test_bad_input_is_refused_with_the_fix():
         train(params_w, state, np.zeros((30, 16), np.float32))
     with pytest.raises(ValueError, match="params is not in the worker layout"):
         train(params, state, np.zeros((32, 16), np.float32))
+    # after a good step (whose outputs are not checked again when passed back), a params tree
+    # that is not those outputs is checked as before
+    params_w2, state2, _ = train(params_w, state, np.zeros((32, 16), np.float32))
+    train(params_w2, state2, np.zeros((32, 16), np.float32))
+    with pytest.raises(ValueError, match="params is not in the worker layout"):
+        train(params, state2, np.zeros((32, 16), np.float32))
     with pytest.raises(ValueError, match=r"use dp.synchronized_params"):
         ozo.synchronized_params(params_w, state)
 

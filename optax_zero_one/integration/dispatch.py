@@ -89,6 +89,7 @@ class KindDispatcher:
         self._last_counter: Any = None
         self._confirmed: np.ndarray | None = None  # the last settled snapshot
         self._types: list[type] = []  # the states whose refused hints a snapshot holds
+        self._layout: tuple[Any, list[int], list[type]] | None = None  # see _probe
         self.step: int | None = None
         self.skipped = 0
         self.lost = 0
@@ -109,11 +110,11 @@ class KindDispatcher:
         self._sync_with(args[self._state_index])
         kind = self._walk.kind(self.step)
         out = self.program(kind)(*args)
-        state = out[self._state_index]
-        snapshot = self._snapshot(state)
+        counter, refused = self._probe(out[self._state_index])
+        snapshot = self._snapshot(counter, refused)
         snapshot.copy_to_host_async()
         self._pending.append(_Pending(self.step, kind, snapshot))
-        self._last_counter = _graph.step_counter(state)
+        self._last_counter = counter
         self.step += 1
         while len(self._pending) > self._lag:
             self._settle(self._pending.popleft())
@@ -124,14 +125,27 @@ class KindDispatcher:
         while self._pending:
             self._settle(self._pending.popleft())
 
-    def _snapshot(self, state: Any) -> jax.Array:
-        counter = _graph.step_counter(state)
-        refused = _graph.refusals(state)
+    def _probe(self, state: Any) -> tuple[Any, list]:
+        """The state's step counter and its refused-hint arrays, found through the hooks once
+        per tree structure and then by position (one flatten per step, not a walk per hook)."""
+        leaves, treedef = jax.tree.flatten(state)
+        if self._layout is None or self._layout[0] != treedef:
+            counter = _graph.step_counter(state)
+            refused = _graph.refusals(state)
+            at = {id(x): i for i, x in enumerate(leaves)}
+            wanted = [counter] + [r for _, r in refused]
+            if counter is None or any(id(x) not in at for x in wanted):
+                return counter, refused  # not arrays of this tree: no shortcut
+            self._layout = (treedef, [at[id(x)] for x in wanted], [cls for cls, _ in refused])
+        _, where, types = self._layout
+        return leaves[where[0]], [(cls, leaves[i]) for cls, i in zip(types, where[1:])]
+
+    def _snapshot(self, counter: Any, refused: list) -> jax.Array:
         self._types = [cls for cls, _ in refused]
         return _snapshot([_first_shard(counter)] + [_first_shard(r) for _, r in refused])
 
     def _sync_with(self, state: Any) -> None:
-        counter = _graph.step_counter(state)
+        counter, refused = self._probe(state)
         if counter is None:
             raise ValueError(
                 f"argument {self._state_index} of the step holds no optimizer state of "
@@ -139,7 +153,7 @@ class KindDispatcher:
             )
         if counter is not self._last_counter:  # first call, or a state from elsewhere
             self._pending.clear()
-            self._confirmed = np.asarray(self._snapshot(state))
+            self._confirmed = np.asarray(self._snapshot(counter, refused))
             self.step = int(self._confirmed[0]) + 1
             self._last_counter = counter
 
