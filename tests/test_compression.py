@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from support.reference import padded_size as ref_padded_size
 
-from optax_zero_one.core import compression, flat
+from optax_zero_one.core import _graph, compression, flat
 
 SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
 
@@ -110,6 +110,23 @@ def test_leaf_sums_and_per_column_are_segment_operations():
     spread = np.asarray(layout.per_column(jnp.asarray([1.0, 2.0, 3.0])))
     for leaf, start, columns in zip(range(3), layout.starts, layout.columns):
         assert np.all(spread[start : start + columns] == leaf + 1)
+
+
+@pytest.mark.parametrize("how", ["scatter", "scan", None])
+def test_segment_sums_both_ways_and_under_vmap(how):
+    """Per-leaf sums: the scatter (CPU) and the segmented scan (GPU, deterministic) both give
+    the float64 sums, empty segments 0, and the scan the same bits on every call."""
+    rng = np.random.default_rng(3)
+    segment_of = np.sort(rng.integers(0, 9, 3000))
+    segment_of = segment_of[(segment_of != 0) & (segment_of != 4)]  # segments 0, 4, 9: empty
+    x = rng.standard_normal((2, 3, segment_of.size)).astype(np.float32)
+    want = np.zeros((2, 3, 10))
+    np.add.at(want, (slice(None), slice(None), segment_of), x.astype(np.float64))
+    fn = jax.jit(jax.vmap(lambda v: _graph.segment_sums(v, segment_of, 10, how)))
+    got = np.asarray(fn(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert np.all(got[..., [0, 4, 9]] == 0)
+    np.testing.assert_array_equal(np.asarray(fn(x)), got)
 
 
 @pytest.mark.parametrize("block", [8, 32])

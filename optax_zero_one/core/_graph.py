@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -160,6 +161,48 @@ def scalars_apart(x: jax.Array) -> list[jax.Array]:
             (0,),
         )
     )
+
+
+def segment_sums(
+    values: jax.Array, segment_of: np.ndarray, num_segments: int, how: str | None = None
+) -> jax.Array:
+    """Sums of ``values`` (``(..., K)``) over the segments of its last axis: ``(..., S)``.
+
+    ``segment_of`` (numpy, ``(K,)``, sorted) names each position's segment; a segment with no
+    position sums to 0. The same bits on every call, on every backend: XLA:GPU runs
+    ``jax.ops.segment_sum`` (a scatter-add) with atomic adds in whatever order the threads
+    arrive, so one program gave different per-leaf scales from one call to the next (seen on an
+    H200, jax 0.11.2). On CPU, where the scatter is a loop in order, it is kept (it is the
+    faster); elsewhere a segmented prefix sum (``lax.associative_scan``, a fixed tree of adds,
+    resetting at each segment's start) read at each segment's end. Choosing at lowering
+    (``lax.platform_dependent``) leaves one of the two in the program and no conditional.
+    ``how="scatter"`` or ``"scan"`` takes one on any backend (for tests).
+    """
+    segment_of = np.asarray(segment_of)
+    counts = np.bincount(segment_of, minlength=num_segments)
+    ends = np.maximum(np.cumsum(counts) - 1, 0)
+    starts = np.ones(segment_of.shape, bool)
+    starts[1:] = segment_of[1:] != segment_of[:-1]
+
+    def scatter(x: jax.Array) -> jax.Array:
+        out = jax.ops.segment_sum(
+            jnp.moveaxis(x, -1, 0), jnp.asarray(segment_of), num_segments, indices_are_sorted=True
+        )
+        return jnp.moveaxis(out, 0, -1)
+
+    def scan(x: jax.Array) -> jax.Array:
+        def add(a: Any, b: Any) -> Any:
+            return jnp.where(b[1], b[0], a[0] + b[0]), a[1] | b[1]
+
+        flags = jnp.broadcast_to(jnp.asarray(starts), x.shape)
+        prefix, _ = jax.lax.associative_scan(add, (x, flags), axis=-1)
+        return jnp.where(jnp.asarray(counts > 0), prefix[..., ends], 0)
+
+    if segment_of.size == 0:
+        return jnp.zeros((*values.shape[:-1], num_segments), values.dtype)
+    if how is not None:
+        return {"scatter": scatter, "scan": scan}[how](values)
+    return jax.lax.platform_dependent(values, cpu=scatter, default=scan)
 
 
 def index_of(conditions: Sequence[Any]) -> jax.Array:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_zero_one.core import _graph
 from optax_zero_one.core.flat import Layout
 
 # Squares of magnitudes in [2**-50, 2**48) neither flush to subnormals nor overflow when up to
@@ -49,8 +50,8 @@ def _sums_and_peaks(blocks: jax.Array, layout: Layout) -> tuple[jax.Array, jax.A
     n = layout.num_leaves
     sums = jnp.stack([plain, small, large])
     return (
-        jax.ops.segment_sum(sums.T, leaf, n, indices_are_sorted=True).T,
-        jax.ops.segment_max(peaks, leaf, n, indices_are_sorted=True),
+        _graph.segment_sums(sums, layout.block_leaf, n),  # the order of a sum matters
+        jax.ops.segment_max(peaks, leaf, n, indices_are_sorted=True),  # that of a max does not
     )
 
 

@@ -251,9 +251,7 @@ class Layout:
     def leaf_sums(self, values: jax.Array) -> jax.Array:
         """Per-leaf sums of ``values`` (``(..., C)``, summed over every leading axis): ``(L,)``."""
         per_block = jnp.sum(self.blocks(values).reshape(-1, self.num_blocks, self.block), (0, 2))
-        return jax.ops.segment_sum(
-            per_block, jnp.asarray(self.block_leaf), self.num_leaves, indices_are_sorted=True
-        )
+        return _graph.segment_sums(per_block, self.block_leaf, self.num_leaves)
 
     def per_block(self, per_leaf: jax.Array) -> jax.Array:
         """Per-leaf values ``(..., L)`` as one value per block, ``(..., C / B, 1)``: broadcast
