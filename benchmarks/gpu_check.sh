@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, in one call of a lent single-GPU machine (docs/benchmarks/overhead.md, "On a
 # GPU"): the overhead benchmark's step times (in-graph, hinted, dispatched) under vmap and through
-# dp.jit, at two sizes; the hint tests (hinted bits == in-graph bits, no loop or conditional in a
-# hinted program); compile time at 100 leaves. Each stage has its own time limit and runs even if
-# one before it failed; everything lands in $OUT/gpu.tar.gz, the log in $OUT/gpu.log.
+# dp.jit, at two sizes; the hint tests (hinted == in-graph to rounding, one program's bits the
+# same on every call, no loop or conditional in a hinted program) and the unit tests (the float64
+# reference, compression); compile time at 100 leaves. Each stage has its own time limit and runs
+# even if one before it failed; everything lands in $OUT/gpu.tar.gz, the log in $OUT/gpu.log.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh   # from the repository root, on the GPU machine
 #   STAGES="tests small" OV_ARGS=--skip-steps ...  # some stages; extra benchmark arguments
@@ -26,7 +27,7 @@ fi
 stage() {  # stage NAME SECONDS CMD...; STAGES="small tests" runs only those
   local name=$1 limit=$2
   shift 2
-  case " ${STAGES:-small large tests compile} " in *" $name "*) ;; *) return ;; esac
+  case " ${STAGES:-small large tests unit compile} " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
   timeout "$limit" "$@"
@@ -39,7 +40,10 @@ ov="python3 -m benchmarks.overhead --skip-compile --dp-here --dp-devices 1 --rep
 stage small 180 $ov $small --leaves 100 --out "$OUT/r/gpu_small.json"
 stage large 120 $ov $large --leaves 10 --out "$OUT/r/gpu_large.json"
 stage tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_step_kinds.py \
-  tests/test_step_kind_traffic.py -k "(hinted or wrong_hint or dispatch_follows) and not unhinted"
+  tests/test_step_kind_traffic.py \
+  -k "(hinted or wrong_hint or dispatch_follows or larger_size) and not unhinted"
+stage unit 120 python3 -m pytest -q -p no:cacheprovider tests/test_compression.py \
+  tests/test_reference.py
 stage compile 90 python3 -m benchmarks.overhead --skip-steps --skip-data-parallel \
   --compile-leaves 100 --compile-repeats 1 --out "$OUT/r/gpu_compile.json"
 tar czf "$OUT/gpu.tar.gz" -C "$OUT" r
