@@ -126,7 +126,8 @@ def test_segment_sums_both_ways_and_under_vmap(how):
     got = np.asarray(fn(x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     assert np.all(got[..., [0, 4, 9]] == 0)
-    np.testing.assert_array_equal(np.asarray(fn(x)), got)
+    if how != "scatter" or jax.default_backend() == "cpu":  # GPU scatters with atomics (seen)
+        np.testing.assert_array_equal(np.asarray(fn(x)), got)
 
 
 @pytest.mark.parametrize("block", [8, 32])
