@@ -301,7 +301,7 @@ class DataParallel:
         def split(batch: Any) -> Any:
             return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
-        split_jit = jax.jit(split, out_shardings=NamedSharding(self.mesh, P(self.data_axis)))
+        by_worker = NamedSharding(self.mesh, P(self.data_axis))
         donated = (0, 1) if donate else ()
         # The params and state arrays the last call returned (any kind's program): in the
         # worker layout by construction, so a call that passes exactly them back (a training
@@ -310,8 +310,14 @@ class DataParallel:
         returned: list[list[Any]] = [[]]
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
-            one = step if kind is None else functools.partial(step, step_kind=kind)
-            mapped = jax.jit(self.on_workers(one), donate_argnums=donated)
+            one = self.on_workers(step if kind is None else functools.partial(step, step_kind=kind))
+
+            def whole(params: Any, opt_state: Any, batch: Any) -> Any:
+                # the batch split into the workers' shares inside the program: one launch
+                shares = jax.lax.with_sharding_constraint(split(batch), by_worker)
+                return one(params, opt_state, shares)
+
+            mapped = jax.jit(whole, donate_argnums=donated)
 
             def program(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
                 given = jax.tree.leaves((params, opt_state))
@@ -320,7 +326,7 @@ class DataParallel:
                     self.check_worker_layout(params, "params")
                     self.check_worker_layout(opt_state, "opt_state")
                 self._check_batch(batch)
-                out = mapped(params, opt_state, split_jit(batch))
+                out = mapped(params, opt_state, batch)
                 returned[0] = jax.tree.leaves(out[:2])
                 return out
 
