@@ -860,8 +860,13 @@ def tables(result: dict) -> str:
             f"Step time, {res['params']:,} params per worker in {res['leaves']} leaves, "
             f"{res['workers']} workers under vmap (median of {res['repeats']} rounds, the "
             f"dispatched column over a {RUN_STEPS}-step run; ratios to the baselines timed "
-            "in the same round). Under vmap lax.pmean is a slow XLA:CPU reduction over the "
-            "worker axis and dominates adam+pmean: 'x adam' is the optimizer's own arithmetic.",
+            "in the same round). "
+            + (
+                "Under vmap lax.pmean is a slow XLA:CPU reduction over the worker axis and "
+                "dominates adam+pmean: 'x adam' is the optimizer's own arithmetic."
+                if result["device"].startswith("cpu")
+                else "The vmapped workers share one device: the collectives are local copies."
+            ),
             "",
             "| optimizer | kind | in-graph ms | x adam | hinted ms | x adam+pmean | x adam | "
             "dispatched ms | x adam+pmean | x adam | dispatched / hinted | B/param | "
