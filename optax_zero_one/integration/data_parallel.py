@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -303,11 +304,12 @@ class DataParallel:
 
         by_worker = NamedSharding(self.mesh, P(self.data_axis))
         donated = (0, 1) if donate else ()
-        # The params and state arrays the last call returned (any kind's program): in the
-        # worker layout by construction, so a call that passes exactly them back (a training
-        # loop) is not checked again. Checking every leaf's sharding costs ~0.1 ms of host time
-        # per step, which on a GPU is as long as a small model's whole optimizer step.
-        returned: list[list[Any]] = [[]]
+        # The params and state arrays the last call returned (any kind's program; weak
+        # references, so that they do not outlive the caller's use of them): in the worker
+        # layout by construction, so a call that passes exactly them back (a training loop) is
+        # not checked again. Checking every leaf's sharding costs ~0.1 ms of host time per
+        # step, which on a GPU is as long as a small model's whole optimizer step.
+        returned: list[list[weakref.ref]] = [[]]
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
             one = self.on_workers(step if kind is None else functools.partial(step, step_kind=kind))
@@ -322,12 +324,12 @@ class DataParallel:
             def program(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
                 given = jax.tree.leaves((params, opt_state))
                 last = returned[0]
-                if len(given) != len(last) or any(a is not b for a, b in zip(given, last)):
+                if len(given) != len(last) or any(a is not b() for a, b in zip(given, last)):
                     self.check_worker_layout(params, "params")
                     self.check_worker_layout(opt_state, "opt_state")
                 self._check_batch(batch)
                 out = mapped(params, opt_state, batch)
-                returned[0] = jax.tree.leaves(out[:2])
+                returned[0] = [weakref.ref(x) for x in jax.tree.leaves(out[:2])]
                 return out
 
             return program
