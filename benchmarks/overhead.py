@@ -572,7 +572,8 @@ def _row_line(row: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Through dp.jit on a real 2-device mesh (a child process with 2 simulated devices)
+# 5. Through dp.jit on a real mesh (a child process with 2 simulated CPU devices, or with
+#    --dp-here this process's own devices, e.g. a GPU)
 
 
 def dp_tree(width: int = 1024) -> dict:
@@ -601,6 +602,11 @@ def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) 
     rng = np.random.default_rng(0)
     host = {k: rng.standard_normal((devices, *x.shape), np.float32) for k, x in tree.items()}
     params0 = dp.to_workers(jax.tree.map(lambda x: x[0], host))
+
+    def fresh(tx: Any) -> list:
+        """Fresh params (the run donates them) and ``tx``'s state, in the worker layout."""
+        return [dp.to_workers(jax.tree.map(lambda x: x[0], host)), dp.init(tx, params0)]
+
     grads = jax.device_put(
         jax.tree.map(lambda x: 1e-2 * x, host),
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
@@ -625,10 +631,7 @@ def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) 
         "dispatched": (dp.jit(step_of(zero_one.tx, False), schedule=zero_one.schedule), None),
         "in-graph": (dp.jit(step_of(zero_one.tx, False)), None),
     }
-    live = {}
-    for name, (_, tx) in runs.items():
-        tx = tx or zero_one.tx
-        live[name] = [dp.to_workers(jax.tree.map(lambda x: x[0], host)), dp.init(tx, params0)]
+    live = {name: fresh(tx or zero_one.tx) for name, (_, tx) in runs.items()}
     times: dict[str, dict[str, list]] = {}
     for k in range(1, steps + 1):
         kind = zero_one.schedule.kind(k).name
@@ -645,7 +648,7 @@ def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) 
             for name, t in took.items():
                 per[name].append(t)
     runs["dispatched"][0].settle()
-    pipelined = _pipelined_ms(runs, zero_one, dp, host, params0, grads, steps)
+    pipelined = _pipelined_ms(runs, zero_one, fresh, grads, steps)
     out = {}
     for kind, per in times.items():
         row = {f"{name}_ms": 1e3 * statistics.median(ts) for name, ts in per.items()}
@@ -666,14 +669,15 @@ def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) 
 
 
 def _pipelined_ms(
-    runs: dict, zero_one: Optimizer, dp: Any, host: dict, params0: Any, grads: Any, steps: int
+    runs: dict, zero_one: Optimizer, fresh: Callable[[Any], list], grads: Any, steps: int
 ) -> dict:
     """Milliseconds per step of whole runs of ``steps`` steps from ``init`` that wait only at
     the end, as a training loop runs (the host queues step k+1 while the device runs step k):
     what a conditional that stalls the host, or host work per step, costs a real loop. Each
     run's programs are compiled already; 3 rounds, the runs alternating, the median reported.
     ``hinted`` calls the dispatcher's programs with the kind from the schedule and nothing
-    else (the dispatcher's own host work is the difference to ``dispatched``)."""
+    else (the dispatcher's own host work is the difference to ``dispatched``). ``fresh(tx)``
+    gives fresh params and state."""
     disp = runs["dispatched"][0]
     programs = {kind.name: disp.program(kind) for kind in zero_one.schedule.kinds}
 
@@ -685,14 +689,12 @@ def _pipelined_ms(
     per: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(3):
         for name, call in calls.items():
-            tx = runs.get(name, (None, None))[1] or zero_one.tx
-            p = dp.to_workers(jax.tree.map(lambda x: x[0], host))
-            st = jax.block_until_ready(dp.init(tx, params0))
-            start = time.perf_counter()
+            p, st = jax.block_until_ready(fresh(runs.get(name, (None, None))[1] or zero_one.tx))
+            began = time.perf_counter()
             for k in range(1, steps + 1):
                 p, st, _ = call(p, st, grads, k)
             jax.block_until_ready((p, st))
-            per[name].append(1e3 * (time.perf_counter() - start) / steps)
+            per[name].append(1e3 * (time.perf_counter() - began) / steps)
         disp.settle()
     out = {f"{name}_ms": statistics.median(ts) for name, ts in per.items()}
     for name in ("dispatched", "hinted", "in-graph"):

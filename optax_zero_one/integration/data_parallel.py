@@ -164,10 +164,9 @@ class DataParallel:
             )
             ok = len(shape) >= 1 and shape[0] == self.num_workers
             if not isinstance(x, jax.core.Tracer):  # traced (e.g. comm_stats): shapes only
-                # a spec may drop axes of size 1, and on a mesh of one device be P()
-                lead = _names(spec[0] or ()) if spec is not None and len(spec) >= 1 else ()
-                ok = ok and spec is not None
-                ok = ok and self._sized(lead) == self._sized(self.data_axes)
+                # a spec drops axes of size 1: on a mesh of one device it is P()
+                lead = _names(spec[0] or ()) if spec else ()
+                ok = ok and spec is not None and self._sized(lead) == self._sized(self.data_axes)
             if not ok:
                 raise ValueError(
                     f"{what} is not in the worker layout: leaf {_leaf_name(path)} has shape "
