@@ -199,12 +199,30 @@ def reuse_runs(study: cl.Study, source: pathlib.Path, partial: pathlib.Path) -> 
     return sorted(runs)
 
 
-def probe(name: str, lr: float) -> dict[str, Any]:
-    """One run of ``name`` as ``--long``'s sweep trains it (1,200 steps, seed 0): a quick
-    diagnostic between two rows, e.g. how much of DiLoCo 1-bit's gap the server's second
-    compression makes (``diloco_psum`` has none)."""
+def probe(
+    name: str,
+    lr: float,
+    overrides: dict[str, float] | None = None,
+    long: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One run of ``name`` as ``--long``'s sweep trains it (1,200 steps, seed 0; with ``long``,
+    as its long runs do: 6,000 steps, ``seed``): a quick diagnostic between two rows, e.g. how
+    much of DiLoCo 1-bit's gap the server's second compression makes (``diloco_psum`` has
+    none). ``overrides`` replaces fields of the run's config (e.g. ``{"outer_momentum": 0.8}``;
+    any numeric field of ``training.Config``)."""
     study = PRESETS["long"]
-    cfg = study.config(name, study.sweep_steps, lr, 0, study.sweep_eval_every)
+    steps, every = (
+        (study.long_steps, study.long_eval_every)
+        if long
+        else (study.sweep_steps, study.sweep_eval_every)
+    )
+    cfg = study.config(name, steps, lr, seed, every)
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cfg)})
+    if unknown:
+        raise SystemExit(f"--set: no config field {', '.join(unknown)}")
+    cfg = dataclasses.replace(cfg, **overrides)
     common.setup_cpu_devices(training.NUM_WORKERS)
     mesh = ozo.worker_mesh(common.AXIS, training.NUM_WORKERS)
     start = time.perf_counter()
@@ -214,9 +232,20 @@ def probe(name: str, lr: float) -> dict[str, Any]:
     return {
         "row": name,
         "lr": lr,
+        "steps": steps,
+        "seed": seed,
+        **overrides,
         **{k: run.get(k) for k in keep},
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def _override(text: str) -> tuple[str, float]:
+    """``key=value`` of ``--set``, the value a number."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ValueError(f"--set wants key=value, got {text!r}")
+    return key, float(value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,9 +267,25 @@ def main(argv: list[str] | None = None) -> None:
         help="one sweep-length run of ROW (any of training.LOCO, e.g. diloco_psum) at peak rate "
         "LR on seed 0 under --long's protocol; prints its final loss and bytes, writes nothing",
     )
+    parser.add_argument(
+        "--set",
+        type=_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --probe: a config field to change, e.g. outer_momentum=0.8 (repeatable)",
+    )
+    parser.add_argument(
+        "--probe-long",
+        type=int,
+        metavar="SEED",
+        help="with --probe: a long run (6,000 steps) on this seed instead of a sweep run",
+    )
     args = parser.parse_args(argv)
     if args.probe:
-        print(json.dumps(probe(args.probe[0], float(args.probe[1]))))
+        long, seed = args.probe_long is not None, args.probe_long or 0
+        found = probe(args.probe[0], float(args.probe[1]), dict(args.set), long, seed)
+        print(json.dumps(found))
         return
     preset = "quick" if args.quick else "long" if args.long else "full"
     study = PRESETS[preset]

@@ -1,10 +1,10 @@
-"""DiLoCo's family with one more setting swept: the outer learning rate, or MuLoCo's Muon rate.
+"""DiLoCo's family with one more setting swept: the outer rate or momentum, or MuLoCo's Muon rate.
 
 ``benchmarks.diloco --long`` ran every DiLoCo row with the outer step of the DiLoCo paper,
 Nesterov momentum at learning rate 0.7 and momentum 0.9, MuLoCo's Muon at 5x the peak rate, and
 swept only the inner (peak) rate. This script sweeps one of those settings too (``--setting``:
-``outer_lr``, default, or ``muon_lr_ratio``, MuLoCo only), one row at a time, on the same
-protocol:
+``outer_lr``, default; ``outer_momentum``, the two plain DiLoCo rows; or ``muon_lr_ratio``,
+MuLoCo only), one row at a time, on the same protocol:
 
 1. at each row's best inner rate (read from ``results/diloco_long.json``), the setting over
    its three values (:data:`SETTINGS`) at the sweep's length (1,200 steps) on seed 0, extended
@@ -18,8 +18,8 @@ DiLoCo 1-bit against DiLoCo float, and the family's best against AdamW (AdamW's 
 
 Run: ``python -m benchmarks.diloco_outer [--setting S] [--rows ...] [--resume]`` (about 10
 minutes on 2 cores where the study's own value wins everywhere, up to ~70 where every row moves
-off it). Writes ``results/diloco_outer.{json,md}`` (``muon_lr_ratio``:
-``results/diloco_muon_lr_ratio.{json,md}``).
+off it). Writes ``results/diloco_outer.{json,md}`` (other settings:
+``results/diloco_<setting>.{json,md}``).
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ SETTINGS = {
     "outer_lr": Setting((0.4, 0.7, 1.0), 0.7, {0.4: 0.25, 1.0: 1.4}, ORIGINAL_ROWS),
     # MuLoCo's Muon rate over the peak (AdamW's) rate, diloco_long's 5
     "muon_lr_ratio": Setting((2.5, 5.0, 10.0), 5.0, {2.5: 1.25, 10.0: 20.0}, ("muloco_1bit",)),
+    # DiLoCo's outer momentum (the paper: 0.9), for the two rows of the first claim
+    "outer_momentum": Setting(
+        (0.8, 0.9, 0.95), 0.9, {0.8: 0.7, 0.95: 0.98}, ("diloco_float", "diloco_1bit")
+    ),
 }
 STUDY = diloco.PRESETS["long"]
 

@@ -45,3 +45,24 @@ def test_summary_recomputes_the_claims():
         "best_within_2pct_of_adamw": True,
         "best_99_5pct_fewer_bytes_than_adamw": False,
     }
+
+
+def test_a_probe_changes_the_config_fields_it_names():
+    assert bench._override("outer_momentum=0.8") == ("outer_momentum", 0.8)
+    with pytest.raises(ValueError, match="key=value"):
+        bench._override("outer_momentum")
+    # a misspelt field stops the probe before it trains anything
+    with pytest.raises(SystemExit, match="no config field outer_momentun"):
+        bench.probe("diloco_1bit", 4e-3, {"outer_momentun": 0.8})
+
+
+def test_the_outer_momentum_sweep_trains_the_value_it_names(tmp_path):
+    from benchmarks import diloco_outer
+
+    source = {"optimizers": {"diloco_1bit": {"best_lr": 4e-3}}}
+    runner = diloco_outer.Runner(source, tmp_path / "out.json", False, "outer_momentum")
+    cfg = runner.config("diloco_1bit", 1200, 0, 0.8)
+    assert (cfg.outer_momentum, cfg.peak_lr, cfg.outer_lr) == (0.8, 4e-3, 0.7)
+    assert diloco_outer.best_value({0.8: 2.05, 0.9: 2.12, 0.95: 2.2}, 0.9) == 0.8
+    assert diloco_outer.best_value({0.8: 2.1, 0.9: 2.1}, 0.9) == 0.9  # a tie keeps the paper's
+    assert training.make_spec("diloco_1bit", cfg).name == "diloco_1bit"
