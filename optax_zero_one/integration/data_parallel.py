@@ -260,7 +260,18 @@ class DataParallel:
         has a leading worker axis; ``fn`` runs manual over the data axis only (other axes
         automatic). Not jitted. E.g. ``jax.jit(dp.on_workers(make_nnx_optimizer_state))``."""
 
+        return self._on_workers(fn, False)
+
+    def _on_workers(self, fn: Callable[..., Any], vmapped: bool) -> Callable[..., Any]:
+        """:meth:`on_workers`, with ``vmapped`` ``fn`` run under ``jax.vmap`` over each worker's
+        one-entry block instead of on the block's entry: XLA:CPU then writes outputs in place
+        over the donated inputs they are computed from, where a reshape between the block and
+        its entry makes it copy them (``docs/jit.md``, "Performance on CPU"). Not for a program
+        that decides in the graph: its conditionals on the counters would become selects."""
+
         def body(*args: Any) -> Any:
+            if vmapped:
+                return jax.vmap(fn)(*args)
             out = fn(*jax.tree.map(lambda x: x[0], args))
             return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
@@ -294,7 +305,9 @@ class DataParallel:
         must take a keyword ``step_kind`` and pass it on to ``tx.update``: one program is
         compiled per step kind, the first time that kind comes up, and the host calls the one
         for each step (:func:`~optax_zero_one.dispatch_by_kind`), so no program decides a
-        step's kind on the device. Without it, one program decides in the graph.
+        step's kind on the device; each program runs ``step`` under ``jax.vmap`` over the
+        worker's one-entry block (a ``lax.cond`` on the worker's own values then runs both
+        branches; ``docs/jit.md``). Without it, one program decides in the graph.
         """
         n = self.num_workers
 
@@ -311,7 +324,9 @@ class DataParallel:
         returned: list[list[weakref.ref]] = [[]]
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
-            one = self.on_workers(step if kind is None else functools.partial(step, step_kind=kind))
+            one = self._on_workers(
+                step if kind is None else functools.partial(step, step_kind=kind), kind is not None
+            )
 
             def whole(params: Any, opt_state: Any, batch: Any) -> Any:
                 # the batch split into the workers' shares inside the program: one launch
