@@ -141,7 +141,10 @@ def main(argv=None):
         return optax.apply_updates(params, updates), opt_state, loss
 
     def compile_kind(kind):  # the program for one kind of step
-        one_kind = ozo.on_workers(functools.partial(worker_step, step_kind=kind), mesh)
+        # batched: XLA:CPU then updates the donated params and state in place
+        one_kind = ozo.on_workers(
+            functools.partial(worker_step, step_kind=kind), mesh, batched=True
+        )
         return jax.jit(one_kind, donate_argnums=(0, 1))
 
     step_schedule = ozo.zero_one_schedule(**schedule)  # every step's kind, known on the host

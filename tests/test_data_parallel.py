@@ -92,14 +92,27 @@ def test_one_program_per_kind_follows_the_in_graph_program():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_a_kinds_program_writes_the_params_in_place():
+@pytest.mark.parametrize("helper", ["dp.jit", "ozo.on_workers"])
+def test_a_kinds_program_writes_the_params_in_place(helper):
     """XLA:CPU copies a donated input that a kernel reads through a reshape: stepping on the
     worker block's entry, every kind's program copied every parameter leaf out; under vmap
-    (what dp.jit does with a schedule) no program copies a parameter-sized buffer."""
+    (dp.jit with a schedule, ``ozo.on_workers(..., batched=True)``) no program copies a
+    parameter-sized buffer."""
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
     dp, tx, _, params = job.setup(mesh)
     p = dp.to_workers(params)
     s = dp.init(tx, p)
+    if helper == "ozo.on_workers":
+        mesh = ozo.worker_mesh("data", N)
+        tx = make_tx()
+        p = ozo.to_workers(ozo.replicate(host_params(), N), mesh)
+        s = jax.jit(ozo.on_workers(tx.init, mesh))(p)
+
+    def lifted(fn, vmapped):
+        if helper == "dp.jit":
+            return dp._on_workers(fn, vmapped)
+        return ozo.on_workers(fn, mesh, batched=vmapped)
+
     shares = jnp.zeros((N, 8, 16), jnp.float32)
     # a device's block of each leaf, as the compiled program's shapes print it
     sizes = {str([1, *np.shape(x)[1:]]).replace(" ", "") for x in jax.tree.leaves(p)}
@@ -110,7 +123,7 @@ def test_a_kinds_program_writes_the_params_in_place():
             u, s = tx.update(g, s, p, step_kind=kind)
             return optax.apply_updates(p, u), s
 
-        fn = jax.jit(dp._on_workers(step, vmapped), donate_argnums=(0, 1))
+        fn = jax.jit(lifted(step, vmapped), donate_argnums=(0, 1))
         hlo = fn.lower(p, s, shares).compile().as_text()
         entry = hlo[hlo.index("ENTRY") :]
         return [

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_zero_one.core import _graph
 from optax_zero_one.core.kinds import StepKind, StepSchedule
-from optax_zero_one.integration import dispatch, workers
+from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
 
 
@@ -259,24 +259,13 @@ class DataParallel:
         """``fn`` on one worker's trees, lifted to the worker layout: every argument and result
         has a leading worker axis; ``fn`` runs manual over the data axis only (other axes
         automatic). Not jitted. E.g. ``jax.jit(dp.on_workers(make_nnx_optimizer_state))``."""
-
         return self._on_workers(fn, False)
 
     def _on_workers(self, fn: Callable[..., Any], vmapped: bool) -> Callable[..., Any]:
-        """:meth:`on_workers`, with ``vmapped`` ``fn`` run under ``jax.vmap`` over each worker's
-        one-entry block instead of on the block's entry: XLA:CPU then writes outputs in place
-        over the donated inputs they are computed from, where a reshape between the block and
-        its entry makes it copy them (``docs/jit.md``, "Performance on CPU"). Not for a program
-        that decides in the graph: its conditionals on the counters would become selects."""
-
-        def body(*args: Any) -> Any:
-            if vmapped:
-                return jax.vmap(fn)(*args)
-            out = fn(*jax.tree.map(lambda x: x[0], args))
-            return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
-
+        """:meth:`on_workers`; ``vmapped`` as ``batched`` of :func:`~optax_zero_one.on_workers`
+        (``fn`` under ``jax.vmap`` over the block: params and state updated in place on CPU)."""
         return jax.shard_map(
-            body,
+            distributed.worker_body(fn, vmapped),
             mesh=self.mesh,
             in_specs=P(self.data_axis),
             out_specs=P(self.data_axis),

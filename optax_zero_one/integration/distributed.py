@@ -248,7 +248,11 @@ def local_rows(tree: Any) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def on_workers(
-    fn: Callable[..., Any], mesh: jax.sharding.Mesh, axis_name: WorkerAxes = None
+    fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: WorkerAxes = None,
+    *,
+    batched: bool = False,
 ) -> Callable[..., Any]:
     """One worker's function lifted to the worker layout with ``jax.shard_map``.
 
@@ -263,6 +267,13 @@ def on_workers(
       mesh: the worker mesh (:func:`worker_mesh`).
       axis_name: the mesh axis of the workers (default: the mesh's only axis), or a tuple of
         axes such as ``("node", "local")`` for hierarchical compression.
+      batched: run ``fn`` under ``jax.vmap`` over each device's one-row block instead of on the
+        row. For a program compiled for one step kind (``step_kind=``): XLA:CPU then writes the
+        new params and state in place over the donated old ones, where dropping the row makes
+        it copy them (``docs/jit.md``, "Performance on CPU"). Not for the update that decides
+        its kind in the graph (its conditionals on the counters would become selects), and a
+        ``lax.cond`` on the worker's own values in ``fn`` runs both branches, as under any
+        ``vmap``.
 
     Returns:
       ``fn`` on trees in the worker layout.
@@ -279,9 +290,18 @@ def on_workers(
       >>> params, opt_state = step(params, opt_state, to_workers(lambda i: {"w": np.ones(3)}, mesh))
     """
     axis = _axis(mesh, axis_name)
+    return jax.shard_map(worker_body(fn, batched), mesh=mesh, in_specs=P(axis), out_specs=P(axis))
+
+
+def worker_body(fn: Callable[..., Any], batched: bool) -> Callable[..., Any]:
+    """``fn`` on one worker's trees as a ``shard_map`` body over blocks of one row: on the row
+    (dropped before ``fn``, restored after), or under ``jax.vmap`` over the block (``batched``;
+    see :func:`on_workers`)."""
 
     def body(*args: Any) -> Any:
+        if batched:
+            return jax.vmap(fn)(*args)
         out = fn(*jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis))
+    return body
