@@ -26,6 +26,10 @@ import optax_zero_one as ozo
 
 AUTO = jax.sharding.AxisType.Auto
 N = 4
+# make_tx()'s step kinds
+SCHEDULE = ozo.zero_one_schedule(
+    var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2
+)
 
 
 def mesh_of(model):
@@ -69,17 +73,8 @@ def test_one_program_per_kind_follows_the_in_graph_program():
     apart (measured over these 14 steps: up to 5e-6 relative, and 2e-6 before the vmap)."""
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
     dp, tx, step, params = job.setup(mesh)
-    schedule = ozo.zero_one_schedule(
-        var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2
-    )
-
-    def hinted(p, s, x, step_kind=None):
-        loss, g = jax.value_and_grad(loss_fn)(p, x)
-        u, s = tx.update(g, s, p, step_kind=step_kind)
-        return optax.apply_updates(p, u), s, loss
-
     runs = {}
-    for name, fn in (("in-graph", dp.jit(step)), ("dispatched", dp.jit(hinted, schedule=schedule))):
+    for name, fn in (("in-graph", dp.jit(step)), ("dispatched", dp.jit(step, schedule=SCHEDULE))):
         p = dp.to_workers(params)
         s = dp.init(tx, p)
         losses = []
@@ -98,32 +93,32 @@ def test_a_kinds_program_writes_the_params_in_place(helper):
     worker block's entry, every kind's program copied every parameter leaf out; under vmap
     (dp.jit with a schedule, ``ozo.on_workers(..., batched=True)``) no program copies a
     parameter-sized buffer."""
-    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
-    dp, tx, _, params = job.setup(mesh)
-    p = dp.to_workers(params)
-    s = dp.init(tx, p)
-    if helper == "ozo.on_workers":
+    if helper == "dp.jit":
+        mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+        dp, tx, _, params = job.setup(mesh)
+        p = dp.to_workers(params)
+        s = dp.init(tx, p)
+        lifted = dp._on_workers
+    else:
         mesh = ozo.worker_mesh("data", N)
         tx = make_tx()
         p = ozo.to_workers(ozo.replicate(host_params(), N), mesh)
         s = jax.jit(ozo.on_workers(tx.init, mesh))(p)
 
-    def lifted(fn, vmapped):
-        if helper == "dp.jit":
-            return dp._on_workers(fn, vmapped)
-        return ozo.on_workers(fn, mesh, batched=vmapped)
+        def lifted(fn, batched):
+            return ozo.on_workers(fn, mesh, batched=batched)
 
     shares = jnp.zeros((N, 8, 16), jnp.float32)
     # a device's block of each leaf, as the compiled program's shapes print it
     sizes = {str([1, *np.shape(x)[1:]]).replace(" ", "") for x in jax.tree.leaves(p)}
 
-    def copies(kind, vmapped):
+    def copies(kind, batched):
         def step(p, s, x):
             _, g = jax.value_and_grad(loss_fn)(p, x)
             u, s = tx.update(g, s, p, step_kind=kind)
             return optax.apply_updates(p, u), s
 
-        fn = jax.jit(lifted(step, vmapped), donate_argnums=(0, 1))
+        fn = jax.jit(lifted(step, batched), donate_argnums=(0, 1))
         hlo = fn.lower(p, s, shares).compile().as_text()
         entry = hlo[hlo.index("ENTRY") :]
         return [
@@ -132,9 +127,10 @@ def test_a_kinds_program_writes_the_params_in_place(helper):
             if " copy(" in line and any(f"f32{shape}" in line for shape in sizes)
         ]
 
-    for kind in ozo.zero_one_schedule(6, 2, 4, 2).kinds:
+    for kind in SCHEDULE.kinds:
         assert copies(kind, True) == [], kind.name
-    assert copies(ozo.zero_one_schedule(6, 2, 4, 2).kinds[2], False)  # what the vmap avoids
+    local = SCHEDULE.kinds[SCHEDULE.names.index("local")]
+    assert copies(local, False)  # what the vmap avoids
 
 
 @pytest.fixture(scope="module")

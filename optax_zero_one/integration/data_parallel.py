@@ -261,11 +261,11 @@ class DataParallel:
         automatic). Not jitted. E.g. ``jax.jit(dp.on_workers(make_nnx_optimizer_state))``."""
         return self._on_workers(fn, False)
 
-    def _on_workers(self, fn: Callable[..., Any], vmapped: bool) -> Callable[..., Any]:
-        """:meth:`on_workers`; ``vmapped`` as ``batched`` of :func:`~optax_zero_one.on_workers`
-        (``fn`` under ``jax.vmap`` over the block: params and state updated in place on CPU)."""
+    def _on_workers(self, fn: Callable[..., Any], batched: bool) -> Callable[..., Any]:
+        """:meth:`on_workers`, with ``batched`` as in :func:`~optax_zero_one.on_workers` (``fn``
+        under ``jax.vmap`` over the block: params and state updated in place on CPU)."""
         return jax.shard_map(
-            distributed.worker_body(fn, vmapped),
+            distributed.worker_body(fn, batched),
             mesh=self.mesh,
             in_specs=P(self.data_axis),
             out_specs=P(self.data_axis),

@@ -89,9 +89,9 @@ def setup(mesh: jax.sharding.Mesh) -> tuple:
     dp = ozo.data_parallel(mesh, params)
     tx = dp.optimizer(make_tx())
 
-    def step(p: dict, s: object, x: jax.Array) -> tuple:
+    def step(p: dict, s: object, x: jax.Array, step_kind: object = None) -> tuple:
         loss, g = jax.value_and_grad(loss_fn)(p, x)
-        u, s = tx.update(g, s, p)
+        u, s = tx.update(g, s, p, step_kind=step_kind)
         return optax.apply_updates(p, u), s, loss
 
     return dp, tx, step, params
