@@ -163,6 +163,32 @@ def test_two_d_mesh_compresses_over_data_only_and_never_gathers_a_model_shard(tw
     assert [c.payload_bytes for c in floats] == [4 * N * layout.width]
 
 
+def test_two_d_dispatched_programs_copy_the_counter_out_without_a_collective():
+    """dp.jit with a schedule returns each step's counters from the step's own program (the
+    dispatcher's check that the state took the step): computed where the counters live, it
+    adds no collective to any kind's program, not even over the model axis the counter is
+    sharded on; the dispatcher then learns every step was taken."""
+    dp, tx, step, params = job.setup(mesh_of(2))
+    p = dp.to_workers(params)
+    s = dp.init(tx, p)
+    train = dp.jit(step, schedule=SCHEDULE)
+    xs = batches(STEPS)
+    for x in xs:
+        p, s, _ = train(p, s, x)
+    train.settle()
+    assert (train.step, train.skipped, train.lost) == (STEPS + 1, 0, 0)
+    in_graph = ozo.comm_stats(dp.jit(step), p, s, xs[0]).collectives
+    assert len(train._raw) == 4  # the programs as the dispatcher calls them, counts included
+    for name, program in train._raw.items():
+        stats = ozo.comm_stats(program, p, s, xs[0])
+        model = [c for c in stats.collectives if c.mesh_axes(dp.mesh) == ("model",)]
+        assert {(c.kind, c.dtypes) for c in model} == {
+            ("all-reduce", ("f32",)),
+            ("all-reduce", ("pred",)),
+        }, name
+        assert len(model) == len([c for c in in_graph if c.mesh_axes(dp.mesh) == ("model",)])
+
+
 def test_two_d_mesh_keeps_params_and_state_sharded(two_d):
     dp, tx, params_w, state, losses, train = two_d
     for name, spec in SPECS.items():

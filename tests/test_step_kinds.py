@@ -256,26 +256,36 @@ def test_dispatch_moves_back_after_a_step_every_worker_skipped():
     assert ozo.step_count(s1) == 24 and ozo.step_count(s2) == 24 - run.lost
     assert run.skipped == 1
     # the lost steps (dispatched before the host knew, of the wrong kind) are not applied
-    assert run.lost <= 2  # the dispatcher's lag
+    assert run.lost <= run.check_every + 2  # read every check_every steps, lag 2
     if run.lost == 0:
         for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
 
 
-def test_dispatch_refuses_a_schedule_that_is_not_the_optimizers():
+@pytest.mark.parametrize("check_every", [1, 8])
+def test_dispatch_refuses_a_schedule_that_is_not_the_optimizers(check_every):
+    """Step 3 is the first the two schedules disagree on; the host reads the counters every
+    ``check_every`` steps, 2 steps behind, and raises before the next program runs, so the
+    caller's state is intact; no refused step was applied."""
     tx = zero_one()
     other = ozo.StepSchedule(ozo.VarianceDoubling(8, 4), LOCAL)  # variance 1, 2, 3, 4, 6, 8
     run = ozo.dispatch_by_kind(
         lambda kind: jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)),
         other,
+        check_every=check_every,
     )
     params = params0()
     state = jax.vmap(tx.init, axis_name=AXIS)(params)
-    with pytest.raises(ValueError, match=r"step 3 .*'variance'.* asked for a 1-bit mean"):
-        for k in range(1, 10):
+    steps = "steps 3 to 3" if check_every == 1 else "steps 1 to 8"
+    calls = 0
+    with pytest.raises(ValueError, match=rf"{steps}, .*'variance'.* asked for a 1-bit mean"):
+        for k in range(1, 14):
             params, state = run(params, state, grads_at(k))
+            calls += 1
         run.settle()
-    assert ozo.step_count(state) <= 3  # step 3 was not applied
+    window_end = 3 if check_every == 1 else 8
+    assert calls == window_end + 2  # the next call read the window's counts, and raised
+    assert ozo.step_count(state) < calls  # the refused steps were not applied
 
 
 def test_hints_are_checked_at_the_call():

@@ -322,7 +322,9 @@ class DataParallel:
                 shares = jax.lax.with_sharding_constraint(split(batch), by_worker)
                 return one(params, opt_state, shares)
 
-            mapped = jax.jit(whole, donate_argnums=donated)
+            # with a kind, the dispatcher's counts come out of the same program: one launch
+            body = whole if kind is None else dispatch.with_counts(whole, 1)
+            mapped = jax.jit(body, donate_argnums=donated)
 
             def program(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
                 given = jax.tree.leaves((params, opt_state))
@@ -332,14 +334,15 @@ class DataParallel:
                     self.check_worker_layout(opt_state, "opt_state")
                 self._check_batch(batch)
                 out = mapped(params, opt_state, batch)
-                returned[0] = [weakref.ref(x) for x in jax.tree.leaves(out[:2])]
+                stepped = out if kind is None else out[0]
+                returned[0] = [weakref.ref(x) for x in jax.tree.leaves(stepped[:2])]
                 return out
 
             return program
 
         if schedule is None:
             return compile_kind(None)
-        return dispatch.dispatch_by_kind(compile_kind, schedule)
+        return dispatch.KindDispatcher(compile_kind, schedule, counts_in_program=True)
 
     def _check_batch(self, batch: Any) -> None:
         n = self.num_workers

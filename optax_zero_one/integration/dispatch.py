@@ -10,11 +10,12 @@ The step number lives on the host. It is read from the state once, at the first 
 whenever the state passed in is not the one this dispatcher returned last (a restore), never
 per step. The counters stay traced arrays in every program, so no program is ever compiled
 twice. What the host cannot know is a step the state did not take (a non-finite step skipped
-by every worker keeps the counters): it learns that a few steps later from a counter copied to
-the host in the background, and moves its step number back. A step whose hint does not match
-the state is not applied by the optimizer (each transform checks its hint); if that happens
-while the host's step number was right, the schedule given here is not the optimizer's, and
-the next call raises an error naming the kind the state expected.
+by every worker keeps the counters): it learns that a few steps later from the counters, copied
+to the host in the background once every ``check_every`` steps (a read per step would cost a
+GPU host more than a small model's step), and moves its step number back. A step whose hint
+does not match the state is not applied by the optimizer (each transform checks its hint); if
+that happens while the host's step number was right, the schedule given here is not the
+optimizer's, and a call soon after raises an error naming the kind the state expected.
 """
 
 from __future__ import annotations
@@ -36,18 +37,47 @@ from optax_zero_one.core.kinds import StepKind, StepSchedule
 class _Pending:
     step: int  # the step number the host assumed
     kind: StepKind
-    snapshot: Any  # [count, refused hints of each state...] after the call, on its way to host
+    counts: Any  # [count, refused hints of each state...] after the call (device), or None
+    checked: bool  # counts on their way to the host, read when the step settles
     stale: bool = False  # expected to be refused: dispatched before the host learnt of a skip
 
 
-@jax.jit
-def _snapshot(leaves: list) -> jax.Array:
-    """The counter and the refused-hint counts of one worker, one small int32 array (a copy:
-    the state itself is donated to the next step)."""
+def _counts(leaves: list, per_worker: bool = False) -> jax.Array:
+    """The counter and the refused-hint counts, one small int32 array (a copy: the state
+    itself is donated to the next step): ``[count, refused, hint, ...]`` of one worker; with
+    ``per_worker``, that along a new last axis of the counter's shape (the worker layout: each
+    device computes its own workers' counts, as the counter is sharded; no communication)."""
     counter, *refused = leaves
-    parts = [jnp.reshape(counter, -1)[:1].astype(jnp.int32)]
-    parts += [jnp.reshape(r, -1)[:2].astype(jnp.int32) for r in refused]
-    return jnp.concatenate(parts)
+    if per_worker:
+        lead = tuple(jnp.shape(counter))
+        parts = [jnp.reshape(counter, (*lead, 1))]
+        parts += [jnp.reshape(r, (*lead, -1))[..., :2] for r in refused]
+    else:
+        parts = [jnp.reshape(counter, -1)[:1]] + [jnp.reshape(r, -1)[:2] for r in refused]
+    return jnp.concatenate([x.astype(jnp.int32) for x in parts], axis=-1)
+
+
+_snapshot = jax.jit(_counts)
+
+
+def _host_counts(counter: Any, refused: list) -> jax.Array:
+    """:func:`_counts` of this process's first worker, by a program of its own."""
+    return _snapshot([_first_shard(counter)] + [_first_shard(r) for _, r in refused])
+
+
+def with_counts(fn: Callable[..., Any], state_index: int) -> Callable[..., Any]:
+    """``fn`` (traced, in the worker layout) that also returns the counts of the state it
+    returns, per worker (:func:`_counts`). A dispatcher built with ``counts_in_program=True``
+    expects programs of this shape: it then needs no program of its own per step to copy the
+    counter (:meth:`KindDispatcher.__call__`)."""
+
+    def both(*args: Any) -> tuple[Any, jax.Array]:
+        out = fn(*args)
+        state = out[state_index]
+        leaves = [_graph.step_counter(state)] + [r for _, r in _graph.refusals(state)]
+        return out, _counts(leaves, per_worker=True)
+
+    return both
 
 
 def _first_shard(x: Any) -> Any:
@@ -62,7 +92,8 @@ class KindDispatcher:
     programs by kind name; ``step``, the step number the next call is for; ``skipped``, the
     steps the state did not take (non-finite, skipped by every worker); ``lost``, steps not
     applied because they were dispatched before the host learnt of a skip and the kind had
-    changed (at most ``lag`` per skip; their batch is dropped, as for a skipped step).
+    changed (at most ``check_every + lag`` per skip, in practice the few steps around a change
+    of kind; their batch is dropped, as for a skipped step).
     """
 
     def __init__(
@@ -71,6 +102,8 @@ class KindDispatcher:
         schedule: StepSchedule,
         state_index: int = 1,
         lag: int = 2,
+        check_every: int = 8,
+        counts_in_program: bool = False,
     ):
         if not isinstance(schedule, StepSchedule):
             raise ValueError(
@@ -79,14 +112,23 @@ class KindDispatcher:
             )
         if not isinstance(lag, int) or lag < 1:
             raise ValueError(f"lag must be an int >= 1, got {lag!r}.")
+        if not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every must be an int >= 1, got {check_every!r}.")
         self._compile = compile_kind
         self.schedule = schedule
         self._state_index = state_index
         self._lag = lag
+        self.check_every = check_every
+        self._since_check = 0
         self.programs: dict[str, Callable[..., Any]] = {}
+        # with counts_in_program, compile_kind's programs also return the counts of the state
+        # they return (with_counts): called by the dispatcher; programs drops the counts
+        self._counted = counts_in_program
+        self._raw: dict[str, Callable[..., Any]] = {}
         self._walk = kinds._Walk(schedule)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._last_counter: Any = None
+        self._last_refused: list = []
         self._confirmed: np.ndarray | None = None  # the last settled snapshot
         self._types: list[type] = []  # the states whose refused hints a snapshot holds
         self._layout: tuple[Any, list[int], list[type]] | None = None  # see _probe
@@ -103,27 +145,58 @@ class KindDispatcher:
     def program(self, kind: StepKind) -> Callable[..., Any]:
         """The program for ``kind`` (compiled at its first use)."""
         if kind.name not in self.programs:
-            self.programs[kind.name] = self._compile(kind)
+            raw = self._raw[kind.name] = self._compile(kind)
+            self.programs[kind.name] = (lambda *a: raw(*a)[0]) if self._counted else raw
         return self.programs[kind.name]
 
     def __call__(self, *args: Any) -> Any:
         self._sync_with(args[self._state_index])
+        # before this step's program: an error leaves the caller's state as it was (not donated)
+        self._settle_due(self._lag)
         kind = self._walk.kind(self.step)
-        out = self.program(kind)(*args)
+        self.program(kind)
+        out = self._raw[kind.name](*args)
+        counts = None
+        if self._counted:
+            out, counts = out
         counter, refused = self._probe(out[self._state_index])
-        snapshot = self._snapshot(counter, refused)
-        snapshot.copy_to_host_async()
-        self._pending.append(_Pending(self.step, kind, snapshot))
-        self._last_counter = counter
+        self._types = [cls for cls, _ in refused]
+        # Reading a value back costs the host a device-to-host copy (~0.2 ms on a GPU host,
+        # docs/benchmarks/overhead.md): the counts are read once every check_every steps
+        self._since_check += 1
+        checked = self._since_check >= self.check_every
+        if checked:
+            self._since_check = 0
+            counts = _first_shard(counts) if self._counted else _host_counts(counter, refused)
+            counts.copy_to_host_async()
+        self._pending.append(_Pending(self.step, kind, counts, checked))
+        self._last_counter, self._last_refused = counter, refused
         self.step += 1
-        while len(self._pending) > self._lag:
-            self._settle(self._pending.popleft())
         return out
 
     def settle(self) -> None:
         """Checks every step still in flight (waits for them); raises as a call would."""
-        while self._pending:
-            self._settle(self._pending.popleft())
+        if self._pending and not self._pending[-1].checked:
+            tail = self._pending[-1]
+            if tail.counts is not None:
+                tail.counts, tail.checked = _first_shard(tail.counts), True
+            elif not getattr(self._last_counter, "is_deleted", lambda: True)():
+                # the state this dispatcher returned last is still held: its counts
+                tail.counts = _host_counts(self._last_counter, self._last_refused)
+                tail.checked = True
+        self._settle_due(0)
+        if self._pending:  # no count readable after them: the next call reads the counter
+            self._pending.clear()
+            self._last_counter = None
+
+    def _settle_due(self, lag: int) -> None:
+        """Settles the steps up to each checked one that has ``lag`` steps after it (the device
+        has those queued while the host reads)."""
+        while True:
+            last = next((i for i, p in enumerate(self._pending) if p.checked), None)
+            if last is None or len(self._pending) - 1 - last < lag:
+                return
+            self._settle([self._pending.popleft() for _ in range(last + 1)])
 
     def _probe(self, state: Any) -> tuple[Any, list]:
         """The state's step counter and its refused-hint arrays, found through the hooks once
@@ -140,10 +213,6 @@ class KindDispatcher:
         _, where, types = self._layout
         return leaves[where[0]], [(cls, leaves[i]) for cls, i in zip(types, where[1:])]
 
-    def _snapshot(self, counter: Any, refused: list) -> jax.Array:
-        self._types = [cls for cls, _ in refused]
-        return _snapshot([_first_shard(counter)] + [_first_shard(r) for _, r in refused])
-
     def _sync_with(self, state: Any) -> None:
         counter, refused = self._probe(state)
         if counter is None:
@@ -153,37 +222,43 @@ class KindDispatcher:
             )
         if counter is not self._last_counter:  # first call, or a state from elsewhere
             self._pending.clear()
-            self._confirmed = np.asarray(self._snapshot(counter, refused))
+            self._types = [cls for cls, _ in refused]
+            self._confirmed = np.asarray(_host_counts(counter, refused))
             self.step = int(self._confirmed[0]) + 1
-            self._last_counter = counter
+            self._last_counter, self._last_refused = counter, refused
+            self._since_check = 0
 
-    def _settle(self, done: _Pending) -> None:
-        now = np.asarray(done.snapshot)
+    def _settle(self, window: list[_Pending]) -> None:
+        """Checks the steps of ``window`` against the counts after its last one."""
+        now = np.asarray(window[-1].counts).reshape(-1)
         before, self._confirmed = self._confirmed, now
-        if now[0] == before[0] + 1:
+        taken = int(now[0] - before[0])
+        if taken == len(window):
             return
-        # The state did not take this step: a hint it refused, or a non-finite step skipped.
-        refused = [
-            (cls, int(now[2 + 2 * i]))
-            for i, cls in enumerate(self._types)
-            if now[1 + 2 * i] > before[1 + 2 * i]
-        ]
-        if refused and not done.stale:
+        # Some steps were not taken: hints refused, or non-finite steps skipped. A refused
+        # step raises each refusing state's count by one: at least the largest rise refused.
+        rises = [int(now[1 + 2 * i] - before[1 + 2 * i]) for i in range(len(self._types))]
+        refused = max(rises, default=0)
+        skipped = max(len(window) - taken - refused, 0)
+        expected = sum(p.stale for p in window)  # dispatched before the host learnt of a skip
+        if refused > expected and not skipped:
             asked = "; ".join(
-                f"{cls.__name__} asked for {cls.BRANCHES[b - 1]}" for cls, b in refused
+                f"{cls.__name__} asked for {cls.BRANCHES[int(now[2 + 2 * i]) - 1]}"
+                for i, cls in enumerate(self._types)
+                if rises[i]
             )
+            sent = ", ".join(sorted({repr(p.kind.name) for p in window}))
             raise ValueError(
-                f"step {int(before[0]) + 1} was run with the program for the "
-                f"{done.kind.name!r} kind (from the schedule given to dispatch_by_kind), but "
-                f"the optimizer state's counters expected another kind: {asked}. The step was "
-                "not applied. The schedule is not the optimizer's: build it from the same "
-                "policies (e.g. ozo.zero_one_schedule(var_freeze_step=..., ...) with "
-                "zero_one_adam's arguments)."
+                f"of steps {window[0].step} to {window[-1].step}, run with the programs for "
+                f"the {sent} kinds (from the schedule given to dispatch_by_kind), the optimizer "
+                f"state refused {refused}: its counters expected other kinds ({asked} at the "
+                "last refusal). A refused step is not applied. The schedule is not the "
+                "optimizer's: build it from the same policies (e.g. "
+                "ozo.zero_one_schedule(var_freeze_step=..., ...) with zero_one_adam's "
+                "arguments)."
             )
-        if refused:
-            self.lost += 1
-        else:
-            self.skipped += 1
+        self.lost += refused
+        self.skipped += skipped
         self._predict()
 
     def _predict(self) -> None:
@@ -205,6 +280,7 @@ def dispatch_by_kind(
     *,
     state_index: int = 1,
     lag: int = 2,
+    check_every: int = 8,
 ) -> KindDispatcher:
     """A step function that calls, at every step, a program compiled for that step's kind.
 
@@ -221,6 +297,12 @@ def dispatch_by_kind(
         its results (default 1: ``step(params, opt_state, ...) -> (params, opt_state, ...)``).
       lag: how many steps behind the host checks that the state took each step (it reads a
         counter copied in the background, so the device never waits for the host).
+      check_every: the host reads the counters back once every ``check_every`` steps (each
+        read costs the host a device-to-host copy, ~0.2 ms on a GPU host), and checks the
+        steps since the last read together. A schedule that is not the optimizer's raises
+        within ``check_every + lag`` steps; after a step every worker skipped (non-finite),
+        the steps dispatched before the host learns of it whose kind then differs are not
+        applied (``lost``: a few at most, around a change of kind).
 
     Returns:
       A :class:`KindDispatcher`, called like the step.
@@ -243,4 +325,4 @@ def dispatch_by_kind(
       >>> sorted(step.programs)
       ['compressed', 'local', 'sync', 'variance']
     """
-    return KindDispatcher(compile_kind, schedule, state_index, lag)
+    return KindDispatcher(compile_kind, schedule, state_index, lag, check_every)
