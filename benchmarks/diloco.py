@@ -222,6 +222,7 @@ def probe(
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cfg)})
     if unknown:
         raise SystemExit(f"--set: no config field {', '.join(unknown)}")
+    overrides = {key: _as_field(cfg, key, value) for key, value in overrides.items()}
     cfg = dataclasses.replace(cfg, **overrides)
     common.setup_cpu_devices(training.NUM_WORKERS)
     mesh = ozo.worker_mesh(common.AXIS, training.NUM_WORKERS)
@@ -238,6 +239,18 @@ def probe(
         **{k: run.get(k) for k in keep},
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def _as_field(cfg: Any, key: str, value: float) -> int | float:
+    """``value`` as the type of the config's field ``key`` (an int field stays an int)."""
+    current = getattr(cfg, key)
+    if isinstance(current, bool) or not isinstance(current, int | float):
+        raise SystemExit(f"--set {key}: not a numeric config field ({current!r})")
+    if isinstance(current, int):
+        if value != int(value):
+            raise SystemExit(f"--set {key}={value}: {key} is an integer field")
+        return int(value)
+    return float(value)
 
 
 def _override(text: str) -> tuple[str, float]:

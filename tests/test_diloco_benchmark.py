@@ -54,6 +54,12 @@ def test_a_probe_changes_the_config_fields_it_names():
     # a misspelt field stops the probe before it trains anything
     with pytest.raises(SystemExit, match="no config field outer_momentun"):
         bench.probe("diloco_1bit", 4e-3, {"outer_momentun": 0.8})
+    # values arrive as floats: an integer field gets an int, or a clear error
+    cfg = bench.PRESETS["long"].config("diloco_1bit", 1200, 4e-3, 0, 100)
+    assert type(bench._as_field(cfg, "sync_every", 25.0)) is int
+    assert type(bench._as_field(cfg, "outer_momentum", 1.0)) is float
+    with pytest.raises(SystemExit, match="sync_every is an integer field"):
+        bench._as_field(cfg, "sync_every", 2.5)
 
 
 def test_the_outer_momentum_sweep_trains_the_value_it_names(tmp_path):
