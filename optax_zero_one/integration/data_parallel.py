@@ -296,7 +296,9 @@ class DataParallel:
         for each step (:func:`~optax_zero_one.dispatch_by_kind`), so no program decides a
         step's kind on the device; each program runs ``step`` under ``jax.vmap`` over the
         worker's one-entry block (a ``lax.cond`` on the worker's own values then runs both
-        branches; ``docs/jit.md``). Without it, one program decides in the graph.
+        branches; ``docs/jit.md``) and also returns the state's counters, which the host
+        reads back every 8 steps to check that the state took them. Without it, one program
+        decides in the graph.
         """
         n = self.num_workers
 
