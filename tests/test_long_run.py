@@ -18,11 +18,15 @@ pytestmark = pytest.mark.slow
 
 
 def _memory_is_flat(samples):
-    # after the first calls (compilation, allocator warm-up): no new live arrays, RSS within
-    # 64 MiB (a leak of one 17k-element buffer per call would add > 1 GiB over 20,000 calls)
-    warm = samples[1]
-    assert all(s["live_arrays"] == warm["live_arrays"] for s in samples[1:]), samples
-    assert samples[-1]["rss_mib"] - warm["rss_mib"] < 64, samples
+    # after the first calls (compilation, allocator warm-up): the live arrays stay within a
+    # few dozen of the count then (samples are >= 250 calls apart, so a leak of one array per
+    # call or step would add 250 per sample; what moves is the dispatcher's read every 8 steps,
+    # which holds a copy of the counters and caches one view per device of the state's
+    # counter arrays until that state is donated: up to 4 x 8 + 2 here), and RSS within 64 MiB
+    # (a leak of one 17k-element buffer per call would add > 1 GiB over 20,000 calls)
+    warm = samples[1]["live_arrays"]
+    assert all(abs(s["live_arrays"] - warm) <= 40 for s in samples[1:]), samples
+    assert samples[-1]["rss_mib"] - samples[1]["rss_mib"] < 64, samples
 
 
 def test_compressed_mean_20k_calls():
