@@ -302,15 +302,15 @@ def test_dispatch_refuses_a_schedule_that_is_not_the_optimizers(check_every):
     )
     params = params0()
     state = jax.vmap(tx.init, axis_name=AXIS)(params)
-    steps = "steps 3 to 3" if check_every == 1 else "steps 1 to 8"
+    first, last = (3, 3) if check_every == 1 else (1, 8)  # the checked window holding step 3
     calls = 0
-    with pytest.raises(ValueError, match=rf"{steps}, .*'variance'.* asked for a 1-bit mean"):
+    match = rf"steps {first} to {last}, .*'variance'.* asked for a 1-bit mean"
+    with pytest.raises(ValueError, match=match):
         for k in range(1, 14):
             params, state = run(params, state, grads_at(k))
             calls += 1
         run.settle()
-    window_end = 3 if check_every == 1 else 8
-    assert calls == window_end + 2  # the next call read the window's counts, and raised
+    assert calls == last + 2  # the next call read the window's counts, and raised
     assert ozo.step_count(state) < calls  # the refused steps were not applied
 
 
