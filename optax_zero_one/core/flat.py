@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -386,15 +387,25 @@ def from_flat(flat: FlatTree, offsets: Any, dtypes: Any) -> Any:
     :class:`~optax_zero_one.core.wrappers.FlattenState`, int32 ``(leaves,)``), with the structure
     and dtypes
     of ``dtypes`` (a tree of dtypes)."""
-    layout = flat.layout
+
+    def take(start: Any, width: int) -> jax.Array:
+        # offsets are never negative: no index normalisation in the cut's kernel
+        return lax.dynamic_slice_in_dim(
+            flat.buffer, start, width, axis=1, allow_negative_indices=False
+        )
+
+    return cut_leaves(take, flat.layout, offsets, dtypes)
+
+
+def cut_leaves(
+    take: Callable[[Any, int], jax.Array], layout: Layout, offsets: Any, dtypes: Any
+) -> Any:
+    """:func:`from_flat` of the buffer whose columns ``take(start, width)`` returns
+    (:func:`~optax_zero_one.core._cut.call_and_cut`)."""
     leaves = []
     for i, (shape, dtype) in enumerate(zip(layout.shapes, jax.tree.leaves(dtypes))):
         chunk, size = int(layout.chunks[i]), int(layout.sizes[i])
-        # offsets are never negative: no index normalisation in the cut's kernel
-        piece = lax.dynamic_slice_in_dim(
-            flat.buffer, offsets[i], chunk, axis=1, allow_negative_indices=False
-        )
-        piece = lax.slice_in_dim(piece.reshape(-1), 0, size)
+        piece = lax.slice_in_dim(take(offsets[i], chunk).reshape(-1), 0, size)
         leaves.append(piece.reshape(shape).astype(dtype))
     return jax.tree.unflatten(jax.tree.structure(dtypes), leaves)
 

@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_zero_one.core import _checks, _graph
+from optax_zero_one.core import _checks, _cut, _graph
 from optax_zero_one.core.flat import (
     FlatTree,
     Layout,
     compute_dtype,
+    cut_leaves,
     find_layout,
-    from_flat,
     leaf_offsets,
     to_flat,
 )
@@ -34,13 +34,15 @@ class FlattenState(NamedTuple):
     Attributes:
       offsets: the first column of each leaf in the flat buffers, int32 ``(leaves,)`` (one
         array whatever the leaf count, so that the state's structure does not depend on the
-        params' and ``optax.tree_map_params`` works).
-        Static facts kept as data on purpose: the program cuts the updates out of the flat
-        buffer at offsets it reads at run time, each handed to its cut as a value of its own
-        (``_graph.scalars_apart``), so XLA compiles one kernel per leaf *shape* rather than one
-        per leaf (with constant offsets, or offsets sliced inside each cut, every cut is a
-        distinct kernel and compile time grows with the leaf count; ``docs/design.md``). They
-        never change.
+        params' and ``optax.tree_map_params`` works). They never change, and ``update`` no
+        longer reads them: it takes the same numbers from the layout, as constants behind an
+        optimisation barrier, each handed to its cut as a value of its own
+        (``_graph.scalars_apart``), so that XLA compiles one kernel per leaf *shape* rather
+        than one per leaf (folded constants would make every cut a distinct kernel, and
+        compile time would grow with the leaf count; ``docs/design.md``). Read from the state,
+        they were batched wherever the state is (``dp.jit``'s programs vmap each device's
+        block), and XLA:CPU then cut two buffers at one batched offset with gathers. Kept in
+        the state so that its structure, and saved checkpoints, stay as they were.
       inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
     """
 
@@ -119,16 +121,24 @@ def flatten(
             _checks.check_tree_matches(params, updates, "params", "updates")
         dtype = compute_dtype(updates if params is None else params)
         flat_params = None if params is None else to_flat(params, layout, dtype)
-        flat_updates, inner_state = inner.update(
-            to_flat(updates, layout, dtype), state.inner_state, flat_params, **extra_args
-        )
+
+        def run(flat_in: FlatTree, inner_state: Any, flat_params: Any) -> tuple:
+            out, inner_state = inner.update(flat_in, inner_state, flat_params, **extra_args)
+            return out.buffer, inner_state
+
         # the updates' structure, the params' dtypes
         dtypes = jax.tree.unflatten(
             jax.tree.structure(updates),
             [jnp.result_type(x) for x in jax.tree.leaves(updates if params is None else params)],
         )
-        offsets = _graph.scalars_apart(_graph.once_for_all_workers(state.offsets, axes))
-        out = from_flat(flat_updates, offsets, dtypes)
+        # constants XLA cannot fold into the cuts, never batched (FlattenState.offsets)
+        offsets = _graph.scalars_apart(jax.lax.optimization_barrier(leaf_offsets(layout)))
+        # each leaf's cut takes the slices of the last elementwise stage's inputs (_cut)
+        out, inner_state = _cut.call_and_cut(
+            run,
+            (to_flat(updates, layout, dtype), state.inner_state, flat_params),
+            lambda take: cut_leaves(take, layout, offsets, dtypes),
+        )
         return out, FlattenState(state.offsets, inner_state)
 
     return _checks.transformation(init_fn, update_fn, FlattenState, "this optimizer")
