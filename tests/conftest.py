@@ -31,6 +31,7 @@ UNIT_FILES = {
     "test_bad_input.py",
     "test_comm_stats.py",
     "test_compression.py",
+    "test_cut.py",
     "test_docs.py",
     "test_doctests.py",
     "test_layout.py",
