@@ -382,26 +382,13 @@ def leaf_offsets(layout: Layout) -> jax.Array:
     return jnp.asarray(np.asarray(layout.starts, np.int64).astype(np.int32).reshape(-1))
 
 
-def from_flat(flat: FlatTree, offsets: Any, dtypes: Any) -> Any:
-    """The tree a :class:`FlatTree` holds, cut out at ``offsets`` (see
-    :class:`~optax_zero_one.core.wrappers.FlattenState`, int32 ``(leaves,)``), with the structure
-    and dtypes
-    of ``dtypes`` (a tree of dtypes)."""
-
-    def take(start: Any, width: int) -> jax.Array:
-        # offsets are never negative: no index normalisation in the cut's kernel
-        return lax.dynamic_slice_in_dim(
-            flat.buffer, start, width, axis=1, allow_negative_indices=False
-        )
-
-    return cut_leaves(take, flat.layout, offsets, dtypes)
-
-
 def cut_leaves(
     take: Callable[[Any, int], jax.Array], layout: Layout, offsets: Any, dtypes: Any
 ) -> Any:
-    """:func:`from_flat` of the buffer whose columns ``take(start, width)`` returns
-    (:func:`~optax_zero_one.core._cut.call_and_cut`)."""
+    """The tree held by the flat buffer whose columns ``[start, start + width)``
+    ``take(start, width)`` returns (:func:`~optax_zero_one.core._cut.call_and_cut`), cut out at
+    ``offsets`` (int32 scalars, one per leaf), with the structure and dtypes of ``dtypes`` (a
+    tree of dtypes)."""
     leaves = []
     for i, (shape, dtype) in enumerate(zip(layout.shapes, jax.tree.leaves(dtypes))):
         chunk, size = int(layout.chunks[i]), int(layout.sizes[i])
