@@ -148,13 +148,18 @@ def _replayable(eqn: Any, whole: tuple) -> bool:
         return False
     name = eqn.primitive.name
     if name in _CALLS:
-        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-        inner = getattr(inner, "jaxpr", inner)
+        inner = _called(eqn)
         return inner is not None and all(
-            _replayable(e, whole) or _scalar_broadcast(e, whole) or _scalar_only(e)
-            for e in inner.eqns
+            _replayable(e, whole) or _scalar_only(e) for e in inner.jaxpr.eqns
         )
     return name in _ELEMENTWISE or _scalar_broadcast(eqn, whole)
+
+
+def _called(eqn: Any) -> Any:
+    """The closed jaxpr a call equation (``jit``, ``closed_call``) runs, ``None`` if it holds
+    no closed jaxpr (then it is not replayed)."""
+    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+    return inner if isinstance(inner, jex.ClosedJaxpr) else None
 
 
 def _scalar_broadcast(eqn: Any, whole: tuple) -> bool:
@@ -181,7 +186,7 @@ def _replay(eqns: list, env: dict, target: Any, shape: tuple) -> jax.Array:
         args = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
         if name in _CALLS:
-            inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            inner = _called(eqn)
             sub = dict(zip(inner.jaxpr.constvars, inner.consts))
             sub.update(zip(inner.jaxpr.invars, args))
             out = _replay(inner.jaxpr.eqns, sub, inner.jaxpr.outvars[0], shape)
