@@ -126,9 +126,10 @@ def switch(
 def once_for_all_workers(x: Any, axis_name: Any) -> Any:
     """``x``, identical on every worker by construction, taken once for all of them under
     ``jax.vmap`` (a ``pmax`` over the simulated axis, which communicates nothing), so that it is
-    not *batched*: a batched index makes a conditional a select over every branch, and a
-    batched slice offset makes a slice a gather (measured: a local step's program compiled in
-    11 s with the per-worker offsets of ``flatten`` and 4.3 s with shared ones). Elsewhere (one
+    not *batched*: a batched index makes a conditional a select over every branch (and a
+    batched slice offset makes a slice a gather: when ``flatten`` read its offsets from the
+    state through here, a local step's program compiled in 11 s with per-worker offsets and
+    4.3 s with shared ones; it now takes them from the layout, never batched). Elsewhere (one
     worker, ``shard_map`` and ``pmap`` axes) ``x`` unchanged."""
     if axis_name is None or worker_axes(axis_name):
         return x
