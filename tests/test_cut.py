@@ -155,3 +155,21 @@ def test_tails_without_array_inputs_or_with_reductions_keep_their_bits(make):
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_the_cut_offsets_take_each_backends_form():
+    """``_graph.cut_offsets``: the layout's offsets, behind an optimisation barrier when lowered
+    for CPU (one kernel per leaf shape there) and folded constants for GPU and TPU (faster to
+    compile and to run on an H200); the same values either way."""
+    from optax_zero_one.core import _graph
+
+    starts = np.array([0, 8, 28])
+    assert [int(x) for x in jax.jit(lambda: _graph.cut_offsets(starts))()] == [0, 8, 28]
+    assert _graph.cut_offsets(np.array([], np.int32)) == []
+    params = {"a": jnp.ones((8, 4)), "b": jnp.ones(3)}
+    tx = ozo.flatten(optax.adam(1e-3))
+    state = tx.init(params)
+    traced = jax.jit(lambda g, s: tx.update(g, s, params)).trace(params, state)
+    for platform, barrier in (("cpu", True), ("cuda", False), ("tpu", False)):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert ("optimization_barrier" in text) == barrier, platform

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_zero_one.core import _checks, _cut, _graph
@@ -35,14 +36,14 @@ class FlattenState(NamedTuple):
       offsets: the first column of each leaf in the flat buffers, int32 ``(leaves,)`` (one
         array whatever the leaf count, so that the state's structure does not depend on the
         params' and ``optax.tree_map_params`` works). They never change, and ``update`` no
-        longer reads them: it takes the same numbers from the layout, as constants behind an
-        optimisation barrier, each handed to its cut as a value of its own
-        (``_graph.scalars_apart``), so that XLA compiles one kernel per leaf *shape* rather
-        than one per leaf (folded constants would make every cut a distinct kernel, and
-        compile time would grow with the leaf count; ``docs/design.md``). Read from the state,
-        they were batched wherever the state is (``dp.jit``'s programs vmap each device's
-        block), and XLA:CPU then cut two buffers at one batched offset with gathers. Kept in
-        the state so that its structure, and saved checkpoints, stay as they were.
+        longer reads them: it takes the same numbers from the layout, in the form the backend
+        compiles best (``_graph.cut_offsets``: on XLA:CPU behind an optimisation barrier, each
+        handed to its cut as a value of its own, so that XLA compiles one kernel per leaf
+        *shape* rather than one per leaf; elsewhere folded constants; ``docs/design.md``).
+        Read from the state, they were batched wherever the state is (``dp.jit``'s programs
+        vmap each device's block), and XLA:CPU then cut two buffers at one batched offset with
+        gathers. Kept in the state so that its structure, and saved checkpoints, stay as they
+        were.
       inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
     """
 
@@ -131,8 +132,8 @@ def flatten(
             jax.tree.structure(updates),
             [jnp.result_type(x) for x in jax.tree.leaves(updates if params is None else params)],
         )
-        # constants XLA cannot fold into the cuts, never batched (FlattenState.offsets)
-        offsets = _graph.scalars_apart(jax.lax.optimization_barrier(leaf_offsets(layout)))
+        # from the layout, never batched (FlattenState.offsets); their form by backend
+        offsets = _graph.cut_offsets(np.asarray(layout.starts))
         # each leaf's cut takes the slices of the last elementwise stage's inputs (_cut)
         out, inner_state = _cut.call_and_cut(
             run,
