@@ -152,7 +152,14 @@ def markdown(summary: dict[str, Any], command: str) -> str:
         "# Throughput over a shaped link",
         "",
         f"`{command}`: {summary['wall_seconds']:.0f} s; load average (1 min) during the windows "
-        f"{summary['load_average']}.",
+        f"{summary['load_average']}."
+        + (
+            " Workers with glibc's allocator keeping its memory ("
+            + " ".join(f"{k}={v}" for k, v in summary["allocator"].items())
+            + f"; `{common.SYSTEM_ALLOCATOR}` to run without)."
+            if summary.get("allocator")
+            else ""
+        ),
         "",
         "```",
         table(summary["rows"]),
@@ -204,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/network.json", help=".md, .png beside it")
     parser.add_argument("--timeout", type=float, default=900, help="per process count, seconds")
     parser.add_argument("--quick", action="store_true", help="tiny model, short windows")
+    parser.add_argument(
+        common.SYSTEM_ALLOCATOR,
+        action="store_true",
+        help="the workers with glibc as it comes (default: common.KEEP_MEMORY, docs/jit.md)",
+    )
     opts, worker_args = parser.parse_known_args(argv)
     reason = netns.unavailable()
     if reason:
@@ -219,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in netns.remove_stale():
         print(f"removed namespace {name} left by an earlier run")
     rates = opts.rates.split(",")
+    allocator = {} if opts.system_allocator else dict(common.KEEP_MEMORY)
     runs = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -234,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                         devices_per_process=1,
                         wrapper=ns.exec_prefix,
                         timeout=opts.timeout,
+                        env=allocator,
                     )
             except RuntimeError as err:  # the namespace could not be made (e.g. no CAP_NET_ADMIN)
                 print(f"benchmarks.network cannot run here: {err}", file=sys.stderr)
@@ -260,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         whole_schedule=schedule,
         runs=runs,
         load_average=f"{min(loads):.2f}-{max(loads):.2f}" if loads else "?",
+        allocator=allocator,
         wall_seconds=time.perf_counter() - started,
     )
     command = "python -m benchmarks.network " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -974,6 +974,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-devices", type=int, default=2, help="with --dp-here (default 2)")
     p.add_argument("--dp-width", type=int, default=1024, help="dp.jit tree width (1024: 4.2M)")
     p.add_argument("--out", default=None, help="JSON path (default results/overhead.json)")
+    p.add_argument(
+        common.SYSTEM_ALLOCATOR,
+        action="store_true",
+        help="on CPU, time with glibc as it comes (default: common.KEEP_MEMORY, docs/jit.md)",
+    )
     return p
 
 
@@ -1000,6 +1005,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict[str, Any] = {
         "command": "python -m benchmarks.overhead " + " ".join(argv or sys.argv[1:]),
         "device": str(jax.devices()[0]),
+        "allocator": common.allocator_settings(),
         "schedule": {
             "zero_one": {"variance_policy": repr(VARIANCE), "local_step_policy": repr(LOCAL)},
             "onebit": {"freeze_step": ONEBIT_FREEZE},
@@ -1055,6 +1061,12 @@ def main(argv: list[str] | None = None) -> dict:
     text = tables(result)
     print("\n" + text)
     head = f"`{result['command']}` on {result['device']}, {result['wall_s']:.0f} s."
+    if result["allocator"]:
+        head += (
+            " glibc's allocator keeping its memory ("
+            + " ".join(f"{k}={v}" for k, v in result["allocator"].items())
+            + f"; `{common.SYSTEM_ALLOCATOR}` to run without)."
+        )
     report = f"# Optimizer overhead\n\n{head}\n\n{text}\n"
     paths = common.write_results(out_path, result, report, plot)
     print(f"\nwrote {', '.join(map(str, paths))} ({result['wall_s']:.0f} s)")
@@ -1062,4 +1074,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    common.rerun_keeping_memory("benchmarks.overhead")
     main()
