@@ -180,6 +180,38 @@ def walk(policy, predicate, first, last):
     return out, state
 
 
+class CountingPolicy:
+    """A policy that counts the steps its ``next`` is asked to walk."""
+
+    def __init__(self, policy):
+        self.policy, self.walked = policy, 0
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def next(self, state, k):
+        self.walked += 1
+        return self.policy.next(state, k)
+
+
+@settings(max_examples=100, deadline=None)
+@given(schedules(), st.lists(st.integers(1, 120), min_size=1, max_size=40))
+def test_schedule_kind_resumes_its_walk(s, asked):
+    """``StepSchedule.kind`` gives every step the kind of a fresh walk, whatever order steps
+    are asked in, and asked step by step (a training loop) it walks each step once."""
+    variance = ozo.VarianceDoubling(s["freeze"], s["kappa"])
+    local = ozo.LocalStepDoubling(s["alpha"], s["clipper"])
+    expected = ozo.StepSchedule(variance, local).indices(120)
+    schedule = ozo.StepSchedule(variance, local)
+    for k in asked:  # any order: an earlier step walks again from step 1
+        assert schedule.kinds.index(schedule.kind(k)) == expected[k - 1]
+    counting = CountingPolicy(variance), CountingPolicy(local)
+    schedule = ozo.StepSchedule(*counting)
+    for k in range(1, 121):
+        assert schedule.kinds.index(schedule.kind(k)) == expected[k - 1]
+    assert sum(c.walked for c in counting) == 119  # once per step, not once per step per call
+
+
 @settings(max_examples=200, deadline=None)
 @given(schedules(), st.integers(1, 400))
 def test_policies_alone(s, num_steps):
