@@ -51,6 +51,13 @@ def test_every_test_named_in_the_tiers_exists():
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
     }
     named = conftest.SLOW_TESTS | conftest.INTEGRATION_TESTS
-    assert named <= defined, sorted(named - defined)
+    # a name may pick one parametrization, ``file::function[id]``: its function must exist and
+    # its id must be written in that file (e.g. a key of the cases it is drawn from)
+    functions = {name.split("[")[0] for name in named}
+    assert functions <= defined, sorted(functions - defined)
+    for name in named:
+        if "[" in name:
+            file, test_id = name.split("::")[0], name.split("[", 1)[1].rstrip("]")
+            assert test_id in (tests / file).read_text(), name
     files = {p.name for p in tests.glob("test_*.py")}
     assert files >= conftest.UNIT_FILES | conftest.SLOW_FILES
