@@ -65,7 +65,7 @@ SLOW_TESTS = {
     "test_resume.py::test_other_worker_count_fails_clearly_then_resets_and_converges",
     "test_step_kind_traffic.py::test_hinted_programs_hold_no_loop_and_no_conditional",
     "test_step_kinds.py::test_dispatch_moves_back_after_a_step_every_worker_skipped",
-    # the small-size test below checks one program's determinism too; this one is for XLA:GPU
+    # test_hinted_update_is_the_in_graph_update checks determinism at a small size; this, for GPU
     "test_step_kinds.py::test_every_kind_gives_the_same_bits_on_every_call_at_a_larger_size",
     # one parametrization (the test id): the same checks as the two-phase backend's
     "test_step_kinds.py::test_hinted_update_is_the_in_graph_update[zero_one_adam_psum]",
