@@ -154,9 +154,7 @@ def markdown(summary: dict[str, Any], command: str) -> str:
         f"`{command}`: {summary['wall_seconds']:.0f} s; load average (1 min) during the windows "
         f"{summary['load_average']}."
         + (
-            " Workers with glibc's allocator keeping its memory ("
-            + " ".join(f"{k}={v}" for k, v in summary["allocator"].items())
-            + f"; `{common.SYSTEM_ALLOCATOR}` to run without)."
+            " Workers with " + common.allocator_note(summary["allocator"])
             if summary.get("allocator")
             else ""
         ),

@@ -1062,11 +1062,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("\n" + text)
     head = f"`{result['command']}` on {result['device']}, {result['wall_s']:.0f} s."
     if result["allocator"]:
-        head += (
-            " glibc's allocator keeping its memory ("
-            + " ".join(f"{k}={v}" for k, v in result["allocator"].items())
-            + f"; `{common.SYSTEM_ALLOCATOR}` to run without)."
-        )
+        head += " " + common.allocator_note(result["allocator"])
     report = f"# Optimizer overhead\n\n{head}\n\n{text}\n"
     paths = common.write_results(out_path, result, report, plot)
     print(f"\nwrote {', '.join(map(str, paths))} ({result['wall_s']:.0f} s)")

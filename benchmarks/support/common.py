@@ -93,6 +93,15 @@ def allocator_settings() -> dict[str, str]:
     return {k: os.environ[k] for k in KEEP_MEMORY if k in os.environ}
 
 
+def allocator_note(settings: dict[str, str]) -> str:
+    """How a report names the allocator's ``settings`` (:func:`allocator_settings`); empty if
+    there are none."""
+    if not settings:
+        return ""
+    values = " ".join(f"{k}={v}" for k, v in settings.items())
+    return f"glibc's allocator keeping its memory ({values}; `{SYSTEM_ALLOCATOR}` to run without)."
+
+
 def rerun_keeping_memory(module: str) -> None:
     """Re-executes ``python -m module`` with :data:`KEEP_MEMORY` in its environment, unless it
     is there already, JAX runs on another platform than the CPU, or the command line says
