@@ -12,8 +12,9 @@ whole update ``params, state <- apply_updates(params, update(grads, state, param
    ``lax.pmean`` of the gradients, on GPT-2-like trees of 100 and 400 leaves
    (``model_trees.gpt2(layers, 64, vocab=1000, positions=64)``, 8 and 33 layers): the update
    without a hint (every kind in one program), the program of the first step's kind, and the
-   programs of all kinds together (what a dispatched run compiles). Each measurement runs in a
-   fresh Python process (``--compile-repeats`` processes, the median is reported), so that no
+   programs of all kinds together (what a dispatched run compiles), and all kinds before a
+   first step in a process of their own, in turn and by ``precompile`` (threads). Each
+   measurement runs in a fresh Python process (``--compile-repeats`` processes, the median is reported), so that no
    compilation cache can hide it.
 2. **Step time** of every step kind (0/1 Adam: variance, compressed, local, sync; 1-bit Adam:
    warm-up, compressed), ``--workers`` (2) workers, ~``--params`` parameters per worker in a
@@ -303,9 +304,37 @@ def compile_once(program: str, leaves: int, workers: int) -> dict:
     }
 
 
-def compile_in_fresh_process(program: str, leaves: int, workers: int) -> dict:
+def compile_ahead(program: str, leaves: int, workers: int, threads: bool) -> dict:
+    """Every kind's program compiled before the first step, shapes only, in this (fresh)
+    process: with ``threads`` by ``KindDispatcher.precompile`` (lowered one after the other,
+    each compiled on a thread while the next lowers), else each lowered and compiled in turn."""
+    tree = compile_tree(leaves)
+    opt = zero_one_optimizer() if program == ZERO_ONE else onebit_optimizer()
+    stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((workers, *x.shape), x.dtype), tree)
+    state = jax.eval_shape(jax.vmap(opt.tx.init, axis_name=AXIS), stacked)
+
+    def compile_kind(kind: ozo.StepKind) -> Callable[..., Any]:
+        update = _update_fn(opt.tx, False, kind)
+        return jax.jit(jax.vmap(update, axis_name=AXIS), donate_argnums=(0, 1))
+
+    start = time.perf_counter()
+    if threads:
+        run = ozo.dispatch_by_kind(compile_kind, opt.schedule)
+        seconds = run.precompile(stacked, state, stacked)
+    else:
+        seconds = {}
+        for kind in opt.schedule.kinds:
+            compile_kind(kind).lower(stacked, state, stacked).compile()
+            seconds[kind.name] = time.perf_counter() - start - sum(seconds.values())
+    return {"all_kinds_ahead_s": time.perf_counter() - start, "per_kind_ahead_s": seconds}
+
+
+def compile_in_fresh_process(
+    program: str, leaves: int, workers: int, ahead: str | None = None
+) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.overhead", "--compile-one", program]
     cmd += ["--compile-leaves", str(leaves), "--compile-workers", str(workers)]
+    cmd += ["--compile-ahead", ahead] if ahead else []
     # no persistent compilation cache either: every compile is a first compile
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")  # on this process's platform
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -329,17 +358,37 @@ def measure_compile(leaf_counts: list[int], workers: int, repeats: int, log: Cal
                 },
                 "runs_total_s": [round(r["total_s"], 3) for r in runs],
             }
+            # all kinds before a first step, both ways in fresh processes: in turn, and
+            # precompiled (the runs above compile the in-graph update first, in the same
+            # process, which warms the tracing of the kinds' programs)
+            for mode in ("turn", "ahead"):
+                row[f"all_kinds_{mode}_s"] = row["total_s"]
+                if program == ADAM_PMEAN:
+                    continue
+                ahead = [
+                    compile_in_fresh_process(program, leaves, workers, ahead=mode)
+                    for _ in range(repeats)
+                ]
+                row[f"all_kinds_{mode}_s"] = statistics.median(
+                    r["all_kinds_ahead_s"] for r in ahead
+                )
+                row[f"runs_{mode}_s"] = [round(r["all_kinds_ahead_s"], 3) for r in ahead]
             base = base or row["total_s"]
             row["ratio_to_adam_pmean"] = row["total_s"] / base
             row["first_kind_ratio"] = row["first_kind_s"] / base
             row["all_kinds_ratio"] = row["all_kinds_s"] / base
+            row["all_kinds_turn_ratio"] = row["all_kinds_turn_s"] / base
+            row["all_kinds_ahead_ratio"] = row["all_kinds_ahead_s"] / base
             rows.append(row)
             log(
                 f"  compile {program:<11} {row['leaves']:>4} leaves ({row['params']:,} params, "
                 f"{workers} workers): in-graph {row['total_s']:.2f} s "
                 f"x{row['ratio_to_adam_pmean']:.2f} adam+pmean; first kind's program "
                 f"{row['first_kind_s']:.2f} s x{row['first_kind_ratio']:.2f}; all kinds "
-                f"{row['all_kinds_s']:.2f} s x{row['all_kinds_ratio']:.2f}  "
+                f"{row['all_kinds_s']:.2f} s x{row['all_kinds_ratio']:.2f}; fresh, in turn "
+                f"{row['all_kinds_turn_s']:.2f} s x{row['all_kinds_turn_ratio']:.2f}, "
+                f"precompiled {row['all_kinds_ahead_s']:.2f} s "
+                f"x{row['all_kinds_ahead_ratio']:.2f}  "
                 f"[{row['hlo_instructions']} HLO instructions in-graph; runs {row['runs_total_s']}]"
             )
     return rows
@@ -841,20 +890,30 @@ def tables(result: dict) -> str:
         out += [
             f"Compile time ({w} workers under vmap, shapes only, a fresh process per "
             "measurement, median of runs): the update without a hint (every kind in one "
-            "program, decided in the graph), the program of the first step's kind, and the "
-            f"programs of all kinds together (what a dispatched run compiles). Targets: first "
-            f"<= {COMPILE_TARGETS['first']}x, all <= {COMPILE_TARGETS['all']}x adam+pmean.",
+            "program, decided in the graph), the program of the first step's kind, the "
+            "programs of all kinds one after the other (what a dispatched run compiles, each "
+            "at its kind's first step; in the same process, after the in-graph update), then "
+            "all kinds before a first step in a fresh process: in turn, and precompiled "
+            "(`precompile`: each compiled on a thread while the next lowers; wall time). "
+            f"Targets: first <= {COMPILE_TARGETS['first']}x, all <= {COMPILE_TARGETS['all']}x "
+            "adam+pmean.",
             "",
             "| program | leaves | params | in-graph s | x adam+pmean | first kind s | x | "
-            "all kinds s | x |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "all kinds s | x | fresh, in turn s | x | fresh, precompiled s | x |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["compile"]:
             out.append(
                 f"| {r['program']} | {r['leaves']} | {r['params']:,} | {r['total_s']:.2f} | "
                 f"{r['ratio_to_adam_pmean']:.2f} | {r['first_kind_s']:.2f} | "
                 f"{r['first_kind_ratio']:.2f} | {r['all_kinds_s']:.2f} | "
-                f"{r['all_kinds_ratio']:.2f} |"
+                f"{r['all_kinds_ratio']:.2f} | "
+                + " | ".join(
+                    f"{r.get(f'all_kinds_{mode}_{what}', float('nan')):.2f}"
+                    for mode in ("turn", "ahead")
+                    for what in ("s", "ratio")
+                )
+                + " |"
             )
         out.append("")
     for res in result["steps"]:
@@ -928,9 +987,14 @@ def plot(result: dict, path: pathlib.Path) -> None:
             bars += [(program, "total_s", f"{program} in-graph")]
             bars += [(program, "first_kind_s", f"{program} first kind")]
             bars += [(program, "all_kinds_s", f"{program} all kinds")]
+            bars += [(program, "all_kinds_ahead_s", f"{program} all kinds, precompiled")]
         width = 0.8 / len(bars)
         for i, (program, key, label) in enumerate(bars):
-            total = {r["leaves"]: r[key] for r in result["compile"] if r["program"] == program}
+            total = {
+                r["leaves"]: r.get(key, float("nan"))
+                for r in result["compile"]
+                if r["program"] == program
+            }
             ys = [total[n] for n in leaves]
             ax.bar(np.arange(len(leaves)) + width * (i - len(bars) / 2), ys, width, label=label)
         ax.set_xticks(np.arange(len(leaves)), [f"{n} leaves" for n in leaves])
@@ -963,6 +1027,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--skip-steps", action="store_true")
     p.add_argument("--compile-one", choices=[ADAM_PMEAN, ZERO_ONE, ONEBIT], help=argparse.SUPPRESS)
+    p.add_argument("--compile-ahead", choices=["turn", "ahead"], help=argparse.SUPPRESS)
     p.add_argument("--dp-steps", type=int, default=None, help="dp.jit run length (default 64)")
     p.add_argument("--skip-data-parallel", action="store_true")
     p.add_argument("--dp-child", action="store_true", help=argparse.SUPPRESS)
@@ -986,7 +1051,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.compile_one:  # a child process of the compile-time measurement
         (leaves,) = args.compile_leaves
-        row = compile_once(args.compile_one, leaves, args.compile_workers)
+        if args.compile_ahead:
+            threads = args.compile_ahead == "ahead"
+            row = compile_ahead(args.compile_one, leaves, args.compile_workers, threads)
+        else:
+            row = compile_once(args.compile_one, leaves, args.compile_workers)
         print("COMPILE " + json.dumps(row), flush=True)
         return row
     if args.dp_child:  # a child process of the dp.jit measurement, on 2 simulated devices

@@ -203,6 +203,89 @@ def test_dispatch_follows_the_schedule_with_one_program_per_kind(name):
     assert ozo.step_count(s2) == 29 and run.skipped == 0 and run.lost == 0
 
 
+def _dispatcher(tx, schedule, compiled=None):
+    def compile_kind(kind):
+        if compiled is not None:
+            compiled.append(kind.name)
+        return jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS))
+
+    return ozo.dispatch_by_kind(compile_kind, schedule)
+
+
+@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+def test_precompile_compiles_every_kind_before_the_first_step(name):
+    """precompile builds every kind's program up front; the run then calls those executables
+    (the jitted programs are never traced) and gives the same bits as kinds compiled lazily."""
+    make, schedule = CASES[name]
+    tx = make()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    lazy, compiled = _dispatcher(tx, schedule), []
+    ahead = _dispatcher(tx, schedule, compiled)
+    seconds = ahead.precompile(params, state, grads_at(1))
+    assert sorted(seconds) == sorted(compiled) == sorted(schedule.names)
+    assert all(t > 0 for t in seconds.values())
+    assert ahead.precompile(params, state, grads_at(1)) == {}  # nothing left to compile
+    p1, s1, p2, s2 = params, state, params, state
+    for k in range(1, 22):
+        p1, s1 = lazy(p1, s1, grads_at(k))
+        p2, s2 = ahead(p2, s2, grads_at(k))
+    assert_same_bits((p1, s1), (p2, s2))
+    assert compiled == sorted(compiled, key=schedule.names.index)  # no kind compiled twice
+    for raw in ahead._raw.values():  # the precompiled executables ran, not jit's cache
+        assert raw.compiled is not None and raw.program._cache_size() == 0
+
+
+def test_precompile_after_a_restore_in_phase_b_compiles_phase_b_only():
+    tx = zero_one()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    run = _dispatcher(tx, SCHEDULE)
+    for k in range(1, 11):  # the freeze is step 8
+        params, state = run(params, state, grads_at(k))
+    compiled = []
+    resumed = _dispatcher(tx, SCHEDULE, compiled)
+    assert sorted(resumed.precompile(params, state, grads_at(11))) == ["local", "sync"]
+    assert sorted(compiled) == ["local", "sync"]
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state))
+    fresh = _dispatcher(tx, SCHEDULE)  # shapes only: the step is not known, every kind
+    assert sorted(fresh.precompile(*abstract, grads_at(11))) == sorted(SCHEDULE.names)
+
+
+def test_precompiled_programs_fall_back_to_jit_for_other_arguments():
+    """Arguments unlike precompile's (here another batch shape): a warning, then the jitted
+    program compiles for them, as jax.jit would; the results are those of a lazy run."""
+    tx = ozo.zero_one_adam(1e-2, var_freeze_step=4, axis_name=AXIS)  # the batch is a loss input
+    schedule = ozo.zero_one_schedule(var_freeze_step=4)
+
+    def step(params, state, x, kind):
+        g = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(params)
+        u, state = tx.update(g, state, params, step_kind=kind)
+        return optax.apply_updates(params, u), state
+
+    def compile_kind(kind):
+        return jax.jit(jax.vmap(functools.partial(step, kind=kind), axis_name=AXIS))
+
+    params = {"w": jnp.ones((N, 3, 2))}
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((N, 5, 3)), jnp.float32)
+    ahead = ozo.dispatch_by_kind(compile_kind, schedule)
+    lazy = ozo.dispatch_by_kind(compile_kind, schedule)
+    ahead.precompile(params, state, x[:, :4])  # 4 rows, the run passes 5
+    p1, s1, p2, s2 = params, state, params, state
+    with pytest.warns(UserWarning, match="precompiled for the 'variance' kind does not take"):
+        p1, s1 = ahead(p1, s1, x)
+    p2, s2 = lazy(p2, s2, x)
+    assert_same_bits((p1, s1), (p2, s2))
+    unjitted = ozo.dispatch_by_kind(
+        lambda kind: jax.vmap(functools.partial(step, kind=kind), axis_name=AXIS), schedule
+    )
+    with pytest.raises(ValueError, match="needs programs with .lower"):
+        unjitted.precompile(params, state, x)
+    with pytest.raises(ValueError, match="not kinds of this schedule"):
+        lazy.precompile(params, state, x, kinds=[ozo.onebit_schedule(2).kinds[0]])
+
+
 def test_dispatch_reads_the_counter_again_after_a_restore():
     tx = zero_one()
 

@@ -110,6 +110,13 @@ class StepSchedule:
     def names(self) -> tuple[str, ...]:
         return tuple(k.name for k in self.kinds)
 
+    def kinds_from(self, step: int) -> tuple[StepKind, ...]:
+        """The kinds steps ``step`` and later can have: every kind up to the variance freeze,
+        phase B's after it (what a run resumed at ``step`` still needs compiled)."""
+        if step <= self.variance_policy.freeze_step:
+            return self.kinds
+        return tuple(k for k in self.kinds if not k.phase_a)
+
     def indices(self, num_steps: int, first: int = 1) -> np.ndarray:
         """The kind (an index into :attr:`kinds`) of each step ``first..num_steps``."""
         out = np.empty(max(num_steps - first + 1, 0), dtype=np.int8)

@@ -292,7 +292,8 @@ class DataParallel:
 
         With ``schedule`` (the optimizer's :class:`~optax_zero_one.StepSchedule`), ``step``
         must take a keyword ``step_kind`` and pass it on to ``tx.update``: one program is
-        compiled per step kind, the first time that kind comes up, and the host calls the one
+        compiled per step kind, the first time that kind comes up (or all at once, ahead:
+        ``train.precompile(params, opt_state, batch)``), and the host calls the one
         for each step (:func:`~optax_zero_one.dispatch_by_kind`), so no program decides a
         step's kind on the device; each program runs ``step`` under ``jax.vmap`` over the
         worker's one-entry block (a ``lax.cond`` on the worker's own values then runs both
@@ -340,6 +341,7 @@ class DataParallel:
                 returned[0] = [weakref.ref(x) for x in jax.tree.leaves(stepped[:2])]
                 return out
 
+            program.lower = mapped.lower  # type: ignore[attr-defined]  # for precompile
             return program
 
         if schedule is None:

@@ -21,8 +21,12 @@ optimizer's, and a call soon after raises an error naming the kind the state exp
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
-from collections.abc import Callable
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -78,6 +82,30 @@ def with_counts(fn: Callable[..., Any], state_index: int) -> Callable[..., Any]:
         return out, _counts(leaves, per_worker=True)
 
     return both
+
+
+class _Precompiled:
+    """A kind's program compiled ahead of time (:meth:`KindDispatcher.precompile`), called
+    instead of the jitted one while the arguments are like those it was compiled for."""
+
+    def __init__(self, compiled: Any, program: Callable[..., Any], name: str):
+        self.compiled, self.program, self.name = compiled, program, name
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except (TypeError, ValueError) as err:
+                # raised by the executable's check of its arguments, before it runs (nothing
+                # donated yet): other shapes, dtypes, tree or shardings than at precompile
+                self.compiled = None
+                warnings.warn(
+                    f"the program precompiled for the {self.name!r} kind does not take these "
+                    f"arguments ({str(err).splitlines()[0]}); it is compiled again for them at "
+                    "this call, as jax.jit would. Pass precompile() arguments like the step's.",
+                    stacklevel=3,
+                )
+        return self.program(*args)
 
 
 def _first_shard(x: Any) -> Any:
@@ -143,11 +171,87 @@ class KindDispatcher:
         return self._walk.kind(self.step)
 
     def program(self, kind: StepKind) -> Callable[..., Any]:
-        """The program for ``kind`` (compiled at its first use)."""
+        """The program for ``kind`` (compiled at its first use, unless precompiled)."""
         if kind.name not in self.programs:
-            raw = self._raw[kind.name] = self._compile(kind)
-            self.programs[kind.name] = (lambda *a: raw(*a)[0]) if self._counted else raw
+            self._install(kind.name, self._compile(kind))
         return self.programs[kind.name]
+
+    def _install(self, name: str, raw: Callable[..., Any]) -> None:
+        self._raw[name] = raw
+        self.programs[name] = (lambda *a: raw(*a)[0]) if self._counted else raw
+
+    def precompile(
+        self,
+        *args: Any,
+        kinds: Sequence[StepKind] | None = None,
+        max_workers: int | None = None,
+    ) -> dict[str, float]:
+        """Compiles now, several at once, the programs of the kinds the run will meet.
+
+        Without it each kind's program is compiled at the kind's first step: the first step,
+        then, at the variance freeze, mid-run, each of phase B's kinds (0/1 Adam: a stall of a
+        few compiles hours into a run, and any compile error only then). ``precompile`` lowers
+        the programs one after the other and compiles each on a thread of its own while the
+        next is lowered (XLA releases the GIL while it compiles), so all kinds together take
+        less time than one after the other (measured: docs/benchmarks/overhead.md). Each call
+        after runs the precompiled executable; one whose arguments differ from these (shapes,
+        dtypes, shardings) warns once and falls back to compiling for them, as ``jax.jit``
+        would. The programs of ``compile_kind`` must have ``.lower`` (``jax.jit`` and
+        ``jax.pmap`` functions and :meth:`~optax_zero_one.DataParallel.jit` do).
+
+        Args:
+          *args: the step's arguments, or ``jax.ShapeDtypeStruct``\\ s with the same shapes,
+            dtypes and shardings. With the real optimizer state the kinds still ahead are
+            those from its step on (phase B's alone after the freeze); with shapes only, all.
+          kinds: the kinds to compile (default: as above). Kinds already compiled are skipped.
+          max_workers: compile threads (default: the number of kinds, at most the CPU count).
+
+        Returns:
+          Seconds spent on each kind compiled now (lowering and compiling; they overlap).
+        """
+        state = args[self._state_index]
+        counter, _ = self._probe(state)
+        abstract = isinstance(counter, jax.ShapeDtypeStruct)
+        if kinds is None:
+            if not abstract:
+                self._sync_with(state)
+            kinds = self.schedule.kinds if abstract else self.schedule.kinds_from(self.step)
+        unknown = [k for k in kinds if k not in self.schedule.kinds]
+        if unknown:
+            raise ValueError(
+                f"precompile(kinds=...) got {unknown}, not kinds of this schedule "
+                f"({list(self.schedule.names)})."
+            )
+        todo = [k for k in dict.fromkeys(kinds) if k.name not in self.programs]
+        if not todo:
+            return {}
+        workers = max_workers or max(1, min(len(todo), os.cpu_count() or 1))
+        seconds: dict[str, float] = {}
+
+        def compile_one(name: str, lowered: Any, started: float) -> Any:
+            compiled = lowered.compile()
+            seconds[name] = time.perf_counter() - started
+            return compiled
+
+        programs = {}
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {}
+            for kind in todo:
+                started = time.perf_counter()
+                program = self._compile(kind)
+                lower = getattr(program, "lower", None)
+                if lower is None:
+                    raise ValueError(
+                        f"precompile needs programs with .lower (jax.jit or jax.pmap); "
+                        f"compile_kind({kind.name!r}) returned {program!r}. Jit it, or let "
+                        "each kind compile at its first step."
+                    )
+                programs[kind.name] = program
+                futures[kind.name] = pool.submit(compile_one, kind.name, lower(*args), started)
+            compiled = {name: future.result() for name, future in futures.items()}
+        for name, program in programs.items():
+            self._install(name, _Precompiled(compiled[name], program, name))
+        return seconds
 
     def __call__(self, *args: Any) -> Any:
         self._sync_with(args[self._state_index])
