@@ -14,8 +14,8 @@ whole update ``params, state <- apply_updates(params, update(grads, state, param
    without a hint (every kind in one program), the program of the first step's kind, and the
    programs of all kinds together (what a dispatched run compiles), and all kinds before a
    first step in a process of their own, in turn and by ``precompile`` (threads). Each
-   measurement runs in a fresh Python process (``--compile-repeats`` processes, the median is reported), so that no
-   compilation cache can hide it.
+   measurement runs in a fresh Python process (``--compile-repeats`` processes, the median is
+   reported), so that no compilation cache can hide it.
 2. **Step time** of every step kind (0/1 Adam: variance, compressed, local, sync; 1-bit Adam:
    warm-up, compressed), ``--workers`` (2) workers, ~``--params`` parameters per worker in a
    GPT-2-shaped tree of 100 leaves and the same total split into 10 equal leaves
