@@ -291,6 +291,9 @@ class FlatTree:
     def tree_flatten_with_keys(self) -> tuple:
         return ((jax.tree_util.GetAttrKey("buffer"), self.buffer),), self.layout
 
+    def tree_flatten(self) -> tuple:  # without keys: what a plain flatten calls (~3x faster)
+        return (self.buffer,), self.layout
+
     @classmethod
     def tree_unflatten(cls, layout: Layout, children: Any) -> FlatTree:
         return cls(children[0], layout)
