@@ -87,6 +87,28 @@ def test_one_program_per_kind_follows_the_in_graph_program():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_a_loop_passing_back_its_outputs_is_checked_once(monkeypatch):
+    """The first call's arguments are checked in Python and compiled for; later calls run that
+    executable, which checks shapes, dtypes and shardings itself: no Python check per step. An
+    argument unlike the first's still gets the clear error."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    dp, tx, step, params = job.setup(mesh)
+    checked = []
+    real = type(dp).check_worker_layout
+    monkeypatch.setattr(
+        type(dp), "check_worker_layout", lambda self, *a: checked.append(a[1]) or real(self, *a)
+    )
+    train = dp.jit(step)
+    p = dp.to_workers(params)
+    s = dp.init(tx, p)
+    checked.clear()
+    for x in batches(5):
+        p, s, _ = train(p, s, x)
+    assert checked == ["params", "opt_state"]  # the first call's only
+    with pytest.raises(ValueError, match="params is not in the worker layout"):
+        train(params, s, x)
+
+
 def test_precompiled_kinds_run_the_same_steps():
     """dp.jit's dispatcher precompiled (every kind up front, from the arrays' shardings) runs
     the precompiled executables and gives the bits of the same programs compiled lazily."""
