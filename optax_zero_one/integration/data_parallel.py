@@ -287,7 +287,10 @@ class DataParallel:
         The returned function takes params and state in the worker layout and the *global*
         batch (any tree whose leaves have a leading axis divisible by ``N``), and returns
         params, state and ``aux`` in the worker layout (``aux``'s leaves get a leading worker
-        axis). It is jitted; with ``donate`` the params and state buffers are reused.
+        axis). It is jitted; with ``donate`` the params and state buffers are reused. Each
+        program checks the layout of its first call's arguments and is compiled for them;
+        calls with arguments of the same shapes, dtypes and shardings (a training loop) run
+        that executable with no Python check, others are checked again and compiled for.
 
         With ``schedule`` (the optimizer's :class:`~optax_zero_one.StepSchedule`), ``step``
         must take a keyword ``step_kind`` and pass it on to ``tx.update``: one program is
