@@ -714,6 +714,7 @@ def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) 
         "kinds": out,
         "pipelined": pipelined,
         "plain_jit_adam_ms": _plain_jit_adam_ms(host, steps),
+        "host_time": measure_host_time(devices),
     }
 
 
@@ -750,6 +751,72 @@ def _pipelined_ms(
         out[f"{name}_x_adam"] = out[f"{name}_ms"] / out[f"{ADAM}_ms"]
     out["steps"] = steps
     return out
+
+
+HOST_LEAVES = (6, 100)  # leaves of the host-time trees (8 x 8 each)
+
+
+def measure_host_time(devices: int, calls: int = 200, rounds: int = 3) -> list[dict]:
+    """Host time per step through ``dp.jit`` on trees of tiny leaves (``HOST_LEAVES``, 8 x 8
+    each), where an accelerator's work is negligible and the host bounds the step: the calling
+    thread's CPU time per call (``time.thread_time``), median over ``rounds`` x ``calls``
+    0/1 Adam local steps, for ``optax.adam``, 0/1 Adam dispatched and its local program
+    called alone (``dispatcher.program(kind)``: the dispatcher's own work is the difference).
+    On XLA:CPU a program this small runs on the calling thread, so its run is in every
+    figure; on a GPU the thread time is the host's alone."""
+    mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    policies = dict(var_freeze_step=2, var_update_scaler=1, local_step_scaler=2)
+    policies["local_step_clipper"] = 64  # syncs every 64 steps once grown: mostly local steps
+    schedule = ozo.zero_one_schedule(**policies)
+    rows = []
+    for leaves in HOST_LEAVES:
+        tree = {f"w{i:03d}": np.zeros((8, 8), np.float32) for i in range(leaves)}
+        dp = ozo.data_parallel(mesh, tree, "data")
+        grads = jax.device_put(
+            {k: np.full((devices, 8, 8), 1e-2, np.float32) for k in tree},
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+        )
+
+        def step_of(tx: Any, hinted: bool) -> Callable[..., Any]:
+            def step(params: Any, state: Any, batch: Any, step_kind: Any = None) -> Any:
+                g = jax.tree.map(lambda x: x[0], batch)
+                extra = {"step_kind": step_kind} if hinted else {}
+                updates, state = tx.update(g, state, params, **extra)
+                return optax.apply_updates(params, updates), state, ()
+
+            return step
+
+        zero_one = ozo.zero_one_adam(1e-3, axis_name="data", **policies)
+        adam = optax.adam(1e-3)
+        dispatched = dp.jit(step_of(zero_one, True), schedule=schedule)
+        local = dispatched.program(next(k for k in schedule.kinds if k.name == "local"))
+        runs = {ADAM: (dp.jit(step_of(adam, False)), adam), "dispatched": (dispatched, zero_one)}
+        runs["local program"] = (local, zero_one)
+        live = {}
+        for name, (fn, tx) in runs.items():  # to phase B's long intervals, compiled
+            p = dp.to_workers(tree)
+            st = dp.init(tx, p)
+            for _ in range(130):
+                p, st, _ = dispatched(p, st, grads) if tx is zero_one else fn(p, st, grads)
+            live[name] = [p, st]
+        dispatched.settle()
+        per: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name, (fn, _) in runs.items():
+                p, st = live[name]
+                for _ in range(calls):
+                    if name == "dispatched" and dispatched.next_kind(st).name != "local":
+                        p, st, _ = fn(p, st, grads)  # a sync step: not timed
+                        continue
+                    began = time.thread_time()
+                    p, st, _ = fn(p, st, grads)
+                    per[name].append(time.thread_time() - began)
+                live[name] = [jax.block_until_ready(p), jax.block_until_ready(st)]
+            dispatched.settle()
+        row = {"leaves": leaves, "calls": len(per[ADAM])}
+        row |= {f"{name}_us": 1e6 * statistics.median(ts) for name, ts in per.items()}
+        rows.append(row)
+    return rows
 
 
 def _plain_jit_adam_ms(host: dict, steps: int) -> float:
@@ -846,6 +913,14 @@ def data_parallel_table(res: dict) -> list[str]:
                 if "cpu" in res.get("devices", "cpu")
                 else ""
             ),
+        ]
+    for r in res.get("host_time", []):
+        out += [
+            "",
+            f"Host time per step, {r['leaves']} leaves of 8 x 8 (the calling thread's CPU time, "
+            f"median of {r['calls']} local steps; on CPU the program runs on that thread too): "
+            f"optax.adam {r['adam_us']:.0f} us, 0/1 Adam dispatched {r['dispatched_us']:.0f} us, "
+            f"its local program alone {r['local program_us']:.0f} us.",
         ]
     return [*out, ""]
 
