@@ -183,6 +183,13 @@ def main(argv=None):
         f"per device: params {device_bytes(params_w):,} B, optimizer state "
         f"{device_bytes(opt_state):,} B (params replicated: {4 * numel:,} B)"
     )
+    # optional: every kind's program compiled now, several at once, rather than phase B's at
+    # the variance freeze, mid-run (any batch of the run's shape will do)
+    began = time.perf_counter()
+    compiled = train_step.precompile(
+        params_w, opt_state, windows(train_ids, np.random.default_rng(0), BATCH)
+    )
+    print(f"precompiled {', '.join(compiled)} in {time.perf_counter() - began:.1f} s")
     rng, val = np.random.default_rng(args.seed + 1), windows(val_ids, np.random.default_rng(7), 256)
     evaluated = float(eval_loss(dp.synchronized_params(params_w, opt_state), val))
     print(f"step    0  eval loss {evaluated:.4f}")
