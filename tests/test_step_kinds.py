@@ -3,6 +3,7 @@ hint is never applied; the host-side dispatch follows the schedule, survives ski
 restores, and refuses a schedule that is not the optimizer's; optax's contracts on the state."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +295,27 @@ def test_precompiled_programs_fall_back_to_jit_for_other_arguments():
         unjitted.precompile(params, state, x)
     with pytest.raises(ValueError, match="not kinds of this schedule"):
         lazy.precompile(params, state, x, kinds=[ozo.onebit_schedule(2).kinds[0]])
+
+
+def test_a_precompiled_program_given_consumed_arrays_raises_and_stays():
+    """Arrays a donated step consumed are an error of the caller, not other arguments: the
+    executable's error is raised as it is (no fallback warning) and stays in use after."""
+    tx = zero_one()
+
+    def compile_kind(kind):
+        step = functools.partial(_step, tx, kind=kind)
+        return jax.jit(jax.vmap(step, axis_name=AXIS), donate_argnums=(0, 1))
+
+    run = ozo.dispatch_by_kind(compile_kind, SCHEDULE)
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    run.precompile(params, state, grads_at(1), kinds=SCHEDULE.kinds[:1])
+    params2, state2 = run(params, state, grads_at(1))  # consumes params and state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="(?i)delet|donat"):
+            run(params, state2, grads_at(2))
+    assert run._raw["variance"].compiled is not None
 
 
 def test_dispatch_reads_the_counter_again_after_a_restore():

@@ -98,7 +98,10 @@ class _Precompiled:
                 return self.compiled(*args)
             except (TypeError, ValueError) as err:
                 # raised by the executable's check of its arguments, before it runs (nothing
-                # donated yet): other shapes, dtypes, tree or shardings than at precompile
+                # donated yet): other shapes, dtypes, tree or shardings than at precompile;
+                # or arrays a donated step consumed, which no program takes: raised as it is
+                if any(_deleted(x) for x in jax.tree.leaves(args)):
+                    raise
                 self.compiled = None
                 warnings.warn(
                     f"the program precompiled for the {self.name!r} kind does not take these "
@@ -107,6 +110,11 @@ class _Precompiled:
                     stacklevel=3,
                 )
         return self.program(*args)
+
+
+def _deleted(x: Any) -> bool:
+    is_deleted = getattr(x, "is_deleted", None)
+    return bool(is_deleted()) if is_deleted is not None else False
 
 
 def _paths(tree: Any, where: list[int]) -> list[list[Callable[[Any], Any]]] | None:
