@@ -297,6 +297,26 @@ def test_precompiled_programs_fall_back_to_jit_for_other_arguments():
         lazy.precompile(params, state, x, kinds=[ozo.onebit_schedule(2).kinds[0]])
 
 
+def test_precompile_takes_pmap_programs():
+    tx = onebit()
+    schedule = ozo.onebit_schedule(ONEBIT_FREEZE)
+
+    def compile_kind(kind):
+        step = functools.partial(_step, tx, kind=kind)
+        return jax.pmap(step, axis_name=AXIS, devices=jax.devices()[:N])
+
+    params = params0()
+    state = jax.pmap(tx.init, axis_name=AXIS, devices=jax.devices()[:N])(params)
+    lazy, ahead = (ozo.dispatch_by_kind(compile_kind, schedule) for _ in range(2))
+    assert sorted(ahead.precompile(params, state, grads_at(1))) == sorted(schedule.names)
+    p1, s1, p2, s2 = params, state, params, state
+    for k in range(1, 9):
+        p1, s1 = lazy(p1, s1, grads_at(k))
+        p2, s2 = ahead(p2, s2, grads_at(k))
+    assert_same_bits((p1, s1), (p2, s2))
+    assert all(raw.compiled is not None for raw in ahead._raw.values())
+
+
 def test_a_precompiled_program_given_consumed_arrays_raises_and_stays():
     """Arrays a donated step consumed are an error of the caller, not other arguments: the
     executable's error is raised as it is (no fallback warning) and stays in use after."""
