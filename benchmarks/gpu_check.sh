@@ -37,14 +37,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --f
 python3 -c 'import jax, optax, sys; print(sys.version.split()[0], "jax", jax.__version__,
   "optax", optax.__version__, jax.devices())'
 ov="python3 -m benchmarks.overhead --skip-compile --dp-here --dp-devices 1 --repeats 5 ${OV_ARGS:-}"
-stage small 180 $ov $small --leaves 100 --out "$OUT/r/gpu_small.json"
+stage small 210 $ov $small --leaves 100 --out "$OUT/r/gpu_small.json"
 stage large 120 $ov $large --leaves 10 --out "$OUT/r/gpu_large.json"
-stage tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_step_kinds.py \
+stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_step_kinds.py \
   tests/test_step_kind_traffic.py \
-  -k "(hinted or wrong_hint or dispatch_follows or larger_size) and not unhinted"
+  -k "(hinted or wrong_hint or dispatch_follows or larger_size or precompile) and not unhinted"
 stage unit 120 python3 -m pytest -q -p no:cacheprovider tests/test_compression.py \
   tests/test_reference.py
-stage compile 90 python3 -m benchmarks.overhead --skip-steps --skip-data-parallel \
+stage compile 150 python3 -m benchmarks.overhead --skip-steps --skip-data-parallel \
   --compile-leaves 100 --compile-repeats 1 --out "$OUT/r/gpu_compile.json"
 tar czf "$OUT/gpu.tar.gz" -C "$OUT" r
 for f in "$OUT"/r/*.md; do echo "--- $f"; grep -v "^- \|^B/param" "$f" | head -60; done
