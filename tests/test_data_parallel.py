@@ -115,20 +115,24 @@ def test_precompiled_kinds_run_the_same_steps():
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
     dp, tx, step, params = job.setup(mesh)
     runs = {}
-    for name in ("lazy", "precompiled"):
+    for name in ("lazy", "precompiled", "in the background"):
         train = dp.jit(step, schedule=SCHEDULE)
         p = dp.to_workers(params)
         s = dp.init(tx, p)
         xs = list(batches(STEPS))
         if name == "precompiled":
             assert sorted(train.precompile(p, s, xs[0])) == sorted(SCHEDULE.names)
+        elif name == "in the background":
+            done = train.precompile_in_background(p, s, xs[0])
         for x in xs:
             p, s, loss = train(p, s, x)
         runs[name] = jax.tree.leaves((p, s, loss))
-        if name == "precompiled":
+        if name != "lazy":
             assert all(raw.compiled is not None for raw in train._raw.values())
-    for a, b in zip(*runs.values(), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sorted(done.result()) == sorted(SCHEDULE.names)
+    for run in ("precompiled", "in the background"):
+        for a, b in zip(runs["lazy"], runs[run], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("helper", ["dp.jit", "ozo.on_workers"])

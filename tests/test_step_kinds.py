@@ -297,6 +297,48 @@ def test_precompiled_programs_fall_back_to_jit_for_other_arguments():
         lazy.precompile(params, state, x, kinds=[ozo.onebit_schedule(2).kinds[0]])
 
 
+def test_precompile_in_background_while_the_run_goes_on():
+    """The run starts at once (its arrays donated) while every kind compiles in the background;
+    each step waits for its own kind's program, none is compiled twice, the bits are those of
+    kinds compiled lazily. A compile that fails raises from the future and from the first step
+    of its kind."""
+    tx = zero_one()
+
+    def make(broken=None):
+        def compile_kind(kind):
+            def step(p, s, g):
+                if kind.name == broken:
+                    raise ValueError(f"cannot trace the {kind.name} step")
+                return _step(tx, p, s, g, kind)
+
+            return jax.jit(jax.vmap(step, axis_name=AXIS), donate_argnums=(0, 1))
+
+        return ozo.dispatch_by_kind(compile_kind, SCHEDULE)
+
+    lazy, ahead = make(), make()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    copies = [jax.tree.map(jnp.copy, (params, state)) for _ in range(2)]
+    done = ahead.precompile_in_background(*copies[1], grads_at(1))
+    (p1, s1), (p2, s2) = copies
+    for k in range(1, 22):
+        p1, s1 = lazy(p1, s1, grads_at(k))
+        p2, s2 = ahead(p2, s2, grads_at(k))
+    assert sorted(done.result()) == sorted(SCHEDULE.names)
+    assert_same_bits((p1, s1), (p2, s2))
+    for raw in ahead._raw.values():  # each step waited for its kind's precompiled program
+        assert raw.compiled is not None and raw.program._cache_size() == 0
+    broken = make("sync")
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    done = broken.precompile_in_background(params, state, grads_at(1))
+    with pytest.raises(ValueError, match="cannot trace the sync step"):
+        done.result()
+    p, s = params, state
+    with pytest.raises(ValueError, match="cannot trace the sync step"):
+        for k in range(1, 12):  # step 9 is the first sync
+            p, s = broken(p, s, grads_at(k))
+
+
 def test_precompile_takes_pmap_programs():
     tx = onebit()
     schedule = ozo.onebit_schedule(ONEBIT_FREEZE)

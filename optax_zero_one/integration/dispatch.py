@@ -25,6 +25,7 @@ import concurrent.futures
 import dataclasses
 import operator
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -110,6 +111,15 @@ class _Precompiled:
                     stacklevel=3,
                 )
         return self.program(*args)
+
+
+def _shape_of(x: Any) -> Any:
+    """``x``'s shape, dtype and (for a ``jax.Array``) sharding, as a ``ShapeDtypeStruct``."""
+    if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
+        return x
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 
 def _deleted(x: Any) -> bool:
@@ -204,6 +214,8 @@ class KindDispatcher:
         self._types: list[type] = []  # the states whose refused hints a snapshot holds
         self._layout: tuple[Any, list[int], list[type], list | None] | None = None  # _probe
         self._probed: set[str] = set()  # the kinds whose program's output _probe has flattened
+        self._lock = threading.Lock()  # installing programs (precompile_in_background)
+        self._waiting: dict[str, concurrent.futures.Future] = {}  # kinds compiling in background
         self.step: int | None = None
         self.skipped = 0
         self.lost = 0
@@ -217,7 +229,12 @@ class KindDispatcher:
     def program(self, kind: StepKind) -> Callable[..., Any]:
         """The program for ``kind`` (compiled at its first use, unless precompiled)."""
         if kind.name not in self.programs:
-            self._install(kind.name, self._compile(kind))
+            waiting = self._waiting.get(kind.name)
+            if waiting is not None:  # compiling in the background: wait for it
+                waiting.result()
+            with self._lock:
+                if kind.name not in self.programs:
+                    self._install(kind.name, self._compile(kind))
         return self.programs[kind.name]
 
     def _install(self, name: str, raw: Callable[..., Any]) -> None:
@@ -253,6 +270,50 @@ class KindDispatcher:
         Returns:
           Seconds spent on each kind compiled now (lowering and compiling; they overlap).
         """
+        programs = self._ahead_of_time(args, kinds)
+        workers = max_workers or max(1, min(len(programs), os.cpu_count() or 1))
+        return self._precompile(programs, args, workers)
+
+    def precompile_in_background(
+        self,
+        *args: Any,
+        kinds: Sequence[StepKind] | None = None,
+        max_workers: int | None = None,
+    ) -> concurrent.futures.Future:
+        """:meth:`precompile` on a thread of its own, while the run goes on: phase A's steps run
+        while phase B's programs compile, so neither the start nor the freeze waits for them
+        (a step whose kind is still compiling waits for that kind alone). The compiles share
+        the host's cores with the run meanwhile. Takes the same arguments (real arrays are
+        read for their shapes, dtypes and shardings before this returns, so the run may
+        donate them); returns a ``Future`` of :meth:`precompile`'s result, whose ``result()``
+        raises a compile error (so does the first step of that kind)."""
+        programs = self._ahead_of_time(args, kinds)
+        workers = max_workers or max(1, min(len(programs), os.cpu_count() or 1))
+        shapes = jax.tree.map(_shape_of, args)
+        waiting = {name: concurrent.futures.Future() for name in programs}
+        with self._lock:
+            self._waiting.update(waiting)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(self._precompile(programs, shapes, workers, waiting))
+            except BaseException as err:  # every step waiting for a kind learns of it
+                with self._lock:
+                    for name, future in waiting.items():
+                        self._waiting.pop(name, None)
+                        if not future.done():
+                            future.set_exception(err)
+                done.set_exception(err)
+
+        threading.Thread(target=run, name="precompile", daemon=True).start()
+        return done
+
+    def _ahead_of_time(
+        self, args: tuple, kinds: Sequence[StepKind] | None
+    ) -> dict[str, Callable[..., Any]]:
+        """The programs (built, not compiled) of the kinds to precompile: ``kinds``, or those
+        still ahead of the state in ``args``, less those compiled or compiling already."""
         state = args[self._state_index]
         counter, _ = self._probe(state)
         abstract = isinstance(counter, jax.ShapeDtypeStruct)
@@ -266,35 +327,46 @@ class KindDispatcher:
                 f"precompile(kinds=...) got {unknown}, not kinds of this schedule "
                 f"({list(self.schedule.names)})."
             )
-        todo = [k for k in dict.fromkeys(kinds) if k.name not in self.programs]
-        if not todo:
-            return {}
-        workers = max_workers or max(1, min(len(todo), os.cpu_count() or 1))
+        programs = {}
+        for kind in dict.fromkeys(kinds):
+            if kind.name in self.programs or kind.name in self._waiting:
+                continue
+            program = programs[kind.name] = self._compile(kind)
+            if getattr(program, "lower", None) is None:
+                raise ValueError(
+                    f"precompile needs programs with .lower (jax.jit or jax.pmap); "
+                    f"compile_kind({kind.name!r}) returned {program!r}. Jit it, or let "
+                    "each kind compile at its first step."
+                )
+        return programs
+
+    def _precompile(
+        self,
+        programs: dict[str, Callable[..., Any]],
+        args: tuple,
+        workers: int,
+        waiting: dict[str, concurrent.futures.Future] | None = None,
+    ) -> dict[str, float]:
+        """Lowers ``programs`` in turn, compiles each on a pool thread while the next lowers,
+        and installs each as soon as it is compiled (then sets its ``waiting`` future)."""
         seconds: dict[str, float] = {}
 
-        def compile_one(name: str, lowered: Any, started: float) -> Any:
+        def compile_one(name: str, lowered: Any, started: float) -> None:
             compiled = lowered.compile()
             seconds[name] = time.perf_counter() - started
-            return compiled
+            with self._lock:
+                self._install(name, _Precompiled(compiled, programs[name], name))
+                if waiting is not None:
+                    self._waiting.pop(name, None)
+                    waiting[name].set_result(None)
 
-        programs = {}
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {}
-            for kind in todo:
+            futures = []
+            for name, program in programs.items():
                 started = time.perf_counter()
-                program = self._compile(kind)
-                lower = getattr(program, "lower", None)
-                if lower is None:
-                    raise ValueError(
-                        f"precompile needs programs with .lower (jax.jit or jax.pmap); "
-                        f"compile_kind({kind.name!r}) returned {program!r}. Jit it, or let "
-                        "each kind compile at its first step."
-                    )
-                programs[kind.name] = program
-                futures[kind.name] = pool.submit(compile_one, kind.name, lower(*args), started)
-            compiled = {name: future.result() for name, future in futures.items()}
-        for name, program in programs.items():
-            self._install(name, _Precompiled(compiled[name], program, name))
+                futures.append(pool.submit(compile_one, name, program.lower(*args), started))
+            for future in futures:
+                future.result()
         return seconds
 
     def __call__(self, *args: Any) -> Any:
