@@ -15,7 +15,8 @@ whole update ``params, state <- apply_updates(params, update(grads, state, param
    programs of all kinds together (what a dispatched run compiles), and all kinds before a
    first step in a process of their own, in turn and by ``precompile`` (threads). Each
    measurement runs in a fresh Python process (``--compile-repeats`` processes, the median is
-   reported), so that no compilation cache can hide it.
+   reported), so that no compilation cache can hide it. Then 0/1 Adam from a cold start to the
+   end of a 64-step run, its programs compiled lazily, by ``precompile`` or in the background.
 2. **Step time** of every step kind (0/1 Adam: variance, compressed, local, sync; 1-bit Adam:
    warm-up, compressed), ``--workers`` (2) workers, ~``--params`` parameters per worker in a
    GPT-2-shaped tree of 100 leaves and the same total split into 10 equal leaves
@@ -342,6 +343,66 @@ def compile_in_fresh_process(
     if out.returncode or not lines:
         raise RuntimeError(f"compile of {program} at {leaves} leaves failed:\n{out.stderr[-3000:]}")
     return json.loads(lines[-1][len("COMPILE ") :])
+
+
+COLD_MODES = ("lazy", "precompile", "in the background")
+
+
+def cold_run(mode: str, leaves: int = 100, workers: int = 2) -> dict:
+    """A 0/1 Adam run of ``RUN_STEPS`` steps (every kind) from a cold start, in this (fresh)
+    process, the kinds' programs compiled as ``mode`` says: ``lazy`` (each at its kind's first
+    step), ``precompile`` (all before the first step) or ``in the background``
+    (``precompile_in_background``, beside the run). Seconds to the first step's end and to the
+    run's end, from the dispatcher's creation (gradients given, compile trees' shapes)."""
+    tree = compile_tree(leaves)
+    opt = run_optimizer(zero_one_optimizer())
+    params = jax.tree.map(lambda x: jnp.zeros((workers, *x.shape), x.dtype), tree)
+    grads = jax.tree.map(lambda x: jnp.full((workers, *x.shape), 1e-2, x.dtype), tree)
+    state = jax.vmap(opt.tx.init, axis_name=AXIS)(params)
+
+    def compile_kind(kind: ozo.StepKind) -> Callable[..., Any]:
+        update = _update_fn(opt.tx, False, kind)
+        return jax.jit(jax.vmap(update, axis_name=AXIS), donate_argnums=(0, 1))
+
+    start = time.perf_counter()
+    run = ozo.dispatch_by_kind(compile_kind, opt.schedule)
+    if mode == "precompile":
+        run.precompile(params, state, grads)
+    elif mode == "in the background":
+        run.precompile_in_background(params, state, grads)
+    first = None
+    for k in range(RUN_STEPS):
+        params, state = run(params, state, grads)
+        if k == 0:
+            jax.block_until_ready(params)
+            first = time.perf_counter() - start
+    jax.block_until_ready((params, state))
+    return {"mode": mode, "first_step_s": first, "run_s": time.perf_counter() - start}
+
+
+def measure_cold_runs(repeats: int, log: Callable) -> list:
+    """:func:`cold_run` of each mode in fresh processes, alternating, ``repeats`` rounds."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in COLD_MODES}
+    for _ in range(repeats):
+        for mode in COLD_MODES:
+            cmd = [sys.executable, "-m", "benchmarks.overhead", "--cold-run", mode]
+            env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
+            out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("COLD ")]
+            if out.returncode or not lines:
+                raise RuntimeError(f"the cold run ({mode}) failed:\n{out.stderr[-3000:]}")
+            runs[mode].append(json.loads(lines[-1][len("COLD ") :]))
+    rows = []
+    for mode, got in runs.items():
+        row = {"mode": mode, "runs": len(got)}
+        for key in ("first_step_s", "run_s"):
+            row[key] = statistics.median(r[key] for r in got)
+        rows.append(row)
+        log(
+            f"  cold run, {mode:<17}: first step {row['first_step_s']:.2f} s, "
+            f"{RUN_STEPS} steps {row['run_s']:.2f} s"
+        )
+    return rows
 
 
 def measure_compile(leaf_counts: list[int], workers: int, repeats: int, log: Callable) -> list:
@@ -991,6 +1052,22 @@ def tables(result: dict) -> str:
                 + " |"
             )
         out.append("")
+    if result.get("cold_runs"):
+        out += [
+            f"0/1 Adam from a cold start to the end of a {RUN_STEPS}-step run (every kind; 100 "
+            "leaves, 2 workers under vmap, gradients given, a fresh process per run, median of "
+            "runs): the kinds' programs compiled lazily (each at its kind's first step), all by "
+            "`precompile` before the first step, or by `precompile_in_background` beside "
+            "the run.",
+            "",
+            "| programs compiled | runs | first step done, s | run done, s |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in result["cold_runs"]:
+            out.append(
+                f"| {r['mode']} | {r['runs']} | {r['first_step_s']:.2f} | {r['run_s']:.2f} |"
+            )
+        out.append("")
     for res in result["steps"]:
         out += [
             f"Step time, {res['params']:,} params per worker in {res['leaves']} leaves, "
@@ -1103,6 +1180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-steps", action="store_true")
     p.add_argument("--compile-one", choices=[ADAM_PMEAN, ZERO_ONE, ONEBIT], help=argparse.SUPPRESS)
     p.add_argument("--compile-ahead", choices=["turn", "ahead"], help=argparse.SUPPRESS)
+    p.add_argument("--cold-run", choices=COLD_MODES, help=argparse.SUPPRESS)
     p.add_argument("--dp-steps", type=int, default=None, help="dp.jit run length (default 64)")
     p.add_argument("--skip-data-parallel", action="store_true")
     p.add_argument("--dp-child", action="store_true", help=argparse.SUPPRESS)
@@ -1132,6 +1210,10 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             row = compile_once(args.compile_one, leaves, args.compile_workers)
         print("COMPILE " + json.dumps(row), flush=True)
+        return row
+    if args.cold_run:  # a child process of the cold-start measurement
+        row = cold_run(args.cold_run)
+        print("COLD " + json.dumps(row), flush=True)
         return row
     if args.dp_child:  # a child process of the dp.jit measurement, on 2 simulated devices
         row = measure_data_parallel_here(args.dp_steps or RUN_STEPS, args.dp_width)
@@ -1171,6 +1253,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["compile"] = measure_compile(
             compile_leaves, args.compile_workers, compile_repeats, log
         )
+        result["cold_runs"] = measure_cold_runs(compile_repeats, log)
     reference = None
     trees = []
     for leaves in leaf_counts:
