@@ -270,9 +270,7 @@ class KindDispatcher:
         Returns:
           Seconds spent on each kind compiled now (lowering and compiling; they overlap).
         """
-        programs = self._ahead_of_time(args, kinds)
-        workers = max_workers or max(1, min(len(programs), os.cpu_count() or 1))
-        return self._precompile(programs, args, workers)
+        return self._precompile(self._ahead_of_time(args, kinds), args, max_workers)
 
     def precompile_in_background(
         self,
@@ -288,7 +286,6 @@ class KindDispatcher:
         donate them); returns a ``Future`` of :meth:`precompile`'s result, whose ``result()``
         raises a compile error (so does the first step of that kind)."""
         programs = self._ahead_of_time(args, kinds)
-        workers = max_workers or max(1, min(len(programs), os.cpu_count() or 1))
         shapes = jax.tree.map(_shape_of, args)
         waiting = {name: concurrent.futures.Future() for name in programs}
         with self._lock:
@@ -297,7 +294,7 @@ class KindDispatcher:
 
         def run() -> None:
             try:
-                done.set_result(self._precompile(programs, shapes, workers, waiting))
+                done.set_result(self._precompile(programs, shapes, max_workers, waiting))
             except BaseException as err:  # every step waiting for a kind learns of it
                 with self._lock:
                     for name, future in waiting.items():
@@ -344,12 +341,13 @@ class KindDispatcher:
         self,
         programs: dict[str, Callable[..., Any]],
         args: tuple,
-        workers: int,
+        max_workers: int | None,
         waiting: dict[str, concurrent.futures.Future] | None = None,
     ) -> dict[str, float]:
         """Lowers ``programs`` in turn, compiles each on a pool thread while the next lowers,
         and installs each as soon as it is compiled (then sets its ``waiting`` future)."""
         seconds: dict[str, float] = {}
+        workers = max_workers or max(1, min(len(programs), os.cpu_count() or 1))
 
         def compile_one(name: str, lowered: Any, started: float) -> None:
             compiled = lowered.compile()
