@@ -44,7 +44,7 @@ stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_step_kinds.p
   -k "(hinted or wrong_hint or dispatch_follows or larger_size or precompile) and not unhinted"
 stage unit 120 python3 -m pytest -q -p no:cacheprovider tests/test_compression.py \
   tests/test_reference.py
-stage compile 150 python3 -m benchmarks.overhead --skip-steps --skip-data-parallel \
+stage compile 240 python3 -m benchmarks.overhead --skip-steps --skip-data-parallel \
   --compile-leaves 100 --compile-repeats 1 --out "$OUT/r/gpu_compile.json"
 tar czf "$OUT/gpu.tar.gz" -C "$OUT" r
 for f in "$OUT"/r/*.md; do echo "--- $f"; grep -v "^- \|^B/param" "$f" | head -60; done
