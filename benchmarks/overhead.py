@@ -66,6 +66,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts its backend
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
@@ -314,18 +315,13 @@ def compile_ahead(program: str, leaves: int, workers: int, threads: bool) -> dic
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((workers, *x.shape), x.dtype), tree)
     state = jax.eval_shape(jax.vmap(opt.tx.init, axis_name=AXIS), stacked)
 
-    def compile_kind(kind: ozo.StepKind) -> Callable[..., Any]:
-        update = _update_fn(opt.tx, False, kind)
-        return jax.jit(jax.vmap(update, axis_name=AXIS), donate_argnums=(0, 1))
-
     start = time.perf_counter()
     if threads:
-        run = ozo.dispatch_by_kind(compile_kind, opt.schedule)
-        seconds = run.precompile(stacked, state, stacked)
+        seconds = dispatcher_of(opt).precompile(stacked, state, stacked)
     else:
         seconds = {}
         for kind in opt.schedule.kinds:
-            compile_kind(kind).lower(stacked, state, stacked).compile()
+            kind_program(opt, kind).lower(stacked, state, stacked).compile()
             seconds[kind.name] = time.perf_counter() - start - sum(seconds.values())
     return {"all_kinds_ahead_s": time.perf_counter() - start, "per_kind_ahead_s": seconds}
 
@@ -360,12 +356,8 @@ def cold_run(mode: str, leaves: int = 100, workers: int = 2) -> dict:
     grads = jax.tree.map(lambda x: jnp.full((workers, *x.shape), 1e-2, x.dtype), tree)
     state = jax.vmap(opt.tx.init, axis_name=AXIS)(params)
 
-    def compile_kind(kind: ozo.StepKind) -> Callable[..., Any]:
-        update = _update_fn(opt.tx, False, kind)
-        return jax.jit(jax.vmap(update, axis_name=AXIS), donate_argnums=(0, 1))
-
     start = time.perf_counter()
-    run = ozo.dispatch_by_kind(compile_kind, opt.schedule)
+    run = dispatcher_of(opt)
     if mode == "precompile":
         run.precompile(params, state, grads)
     elif mode == "in the background":
@@ -479,14 +471,14 @@ def hlo_summary(compiled: Any) -> dict[str, Any]:
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
+def kind_program(opt: Optimizer, kind: ozo.StepKind) -> Callable[..., Any]:
+    """The vmapped, donating update of ``opt`` for ``kind`` (jitted, not compiled yet)."""
+    return jax.jit(jax.vmap(_update_fn(opt.tx, False, kind), axis_name=AXIS), donate_argnums=(0, 1))
+
+
 def dispatcher_of(opt: Optimizer) -> ozo.integration.dispatch.KindDispatcher:
     """The vmapped, donating update of ``opt``, one program per kind chosen on the host."""
-
-    def compile_kind(kind: ozo.StepKind) -> Callable[..., Any]:
-        fn = jax.vmap(_update_fn(opt.tx, False, kind), axis_name=AXIS)
-        return jax.jit(fn, donate_argnums=(0, 1))
-
-    return ozo.dispatch_by_kind(compile_kind, opt.schedule)
+    return ozo.dispatch_by_kind(functools.partial(kind_program, opt), opt.schedule)
 
 
 def states_at(opt: Optimizer, params: Any, grads: Any, steps: dict[str, int]) -> dict[str, tuple]:
