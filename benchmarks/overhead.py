@@ -326,19 +326,31 @@ def compile_ahead(program: str, leaves: int, workers: int, threads: bool) -> dic
     return {"all_kinds_ahead_s": time.perf_counter() - start, "per_kind_ahead_s": seconds}
 
 
+def child_result(flags: list[str], tag: str, what: str, timeout: int, **env: str) -> dict:
+    """Runs ``python -m benchmarks.overhead *flags`` in a fresh process (this environment plus
+    ``env``) and returns the JSON it printed after ``tag``; ``what`` names it in an error."""
+    cmd = [sys.executable, "-m", "benchmarks.overhead", *flags]
+    out = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True, timeout=timeout
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith(f"{tag} ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len(tag) + 1 :])
+
+
+# no persistent compilation cache in the compile children: every compile is a first compile
+NO_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}  # on this process's platform
+
+
 def compile_in_fresh_process(
     program: str, leaves: int, workers: int, ahead: str | None = None
 ) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.overhead", "--compile-one", program]
-    cmd += ["--compile-leaves", str(leaves), "--compile-workers", str(workers)]
-    cmd += ["--compile-ahead", ahead] if ahead else []
-    # no persistent compilation cache either: every compile is a first compile
-    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")  # on this process's platform
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("COMPILE ")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"compile of {program} at {leaves} leaves failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("COMPILE ") :])
+    flags = ["--compile-one", program, "--compile-leaves", str(leaves)]
+    flags += ["--compile-workers", str(workers)] + (["--compile-ahead", ahead] if ahead else [])
+    return child_result(
+        flags, "COMPILE", f"compile of {program} at {leaves} leaves", 900, **NO_CACHE
+    )
 
 
 COLD_MODES = ("lazy", "precompile", "in the background")
@@ -377,13 +389,8 @@ def measure_cold_runs(repeats: int, log: Callable) -> list:
     runs: dict[str, list[dict]] = {mode: [] for mode in COLD_MODES}
     for _ in range(repeats):
         for mode in COLD_MODES:
-            cmd = [sys.executable, "-m", "benchmarks.overhead", "--cold-run", mode]
-            env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
-            out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            lines = [line for line in out.stdout.splitlines() if line.startswith("COLD ")]
-            if out.returncode or not lines:
-                raise RuntimeError(f"the cold run ({mode}) failed:\n{out.stderr[-3000:]}")
-            runs[mode].append(json.loads(lines[-1][len("COLD ") :]))
+            what = f"the cold run ({mode})"
+            runs[mode].append(child_result(["--cold-run", mode], "COLD", what, 900, **NO_CACHE))
     rows = []
     for mode, got in runs.items():
         row = {"mode": mode, "runs": len(got)}
@@ -895,19 +902,16 @@ def _plain_jit_adam_ms(host: dict, steps: int) -> float:
 
 def measure_data_parallel(steps: int, width: int = 1024) -> dict:
     """:func:`measure_data_parallel_here` in a child process with 2 simulated CPU devices."""
-    cmd = [sys.executable, "-m", "benchmarks.overhead", "--dp-child", "--dp-steps", str(steps)]
-    cmd += ["--dp-width", str(width)]
-    env = dict(
-        os.environ,
+    flags = ["--dp-child", "--dp-steps", str(steps), "--dp-width", str(width)]
+    return child_result(
+        flags,
+        "DP",
+        "the dp.jit measurement",
+        1800,
         JAX_PLATFORMS="cpu",
         XLA_FLAGS="--xla_force_host_platform_device_count=2",
         PJRT_NPROC="4",
     )
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("DP ")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"the dp.jit measurement failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("DP ") :])
 
 
 def data_parallel_table(res: dict) -> list[str]:
