@@ -220,16 +220,28 @@ def test_errors_stay_bounded_over_thousands_of_calls(n, spread, mix, density, se
 
 
 @pytest.mark.parametrize("n", [8])
-def test_bitwise_identical_across_mappings(n):
-    """Integer sums of the signs and scales: nothing depends on the reduction order, so vmap,
-    pmap and shard_map agree bitwise, as every worker does."""
+def test_every_worker_decodes_the_same_mean_under_every_mapping(n):
+    """Integer sums of the signs and scales: every worker of one program holds the same bits,
+    and one program run twice gives them again. Across mappings only the per-worker scales
+    (float reductions, which XLA may associate differently for a batched operand) can differ,
+    in their last bits."""
     dtypes = [np.float32, np.float32, jnp.bfloat16, np.float32, np.float32, np.float32]
     inputs = make_inputs(n, calls=2, seed=7, dtypes=dtypes)
     results = {mode: run_calls(n, inputs, mode) for mode in MODES}
+    for mode, (outs, _) in results.items():
+        for leaf in jax.tree.leaves(outs):
+            leaf = np.asarray(leaf, np.float32)
+            assert np.array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape)), mode
     base = jax.tree.leaves(results["vmap"])
     for mode in ("pmap", "shard_map"):
         for a, b in zip(base, jax.tree.leaves(results[mode]), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=mode)
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(
+                a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max(initial=1.0), err_msg=mode
+            )
+    again = run_calls(n, inputs, "shard_map")
+    for a, b in zip(jax.tree.leaves(results["shard_map"]), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_one_worker_and_no_axis_are_identity():

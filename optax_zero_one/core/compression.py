@@ -33,25 +33,41 @@ _SAFE_LOW, _SAFE_HIGH = 2.0**-50, 2.0**48
 _DOWN, _UP = 2.0**-96, 2.0**96  # bring peaks in [2**48, 2**128) and [2**-149, 2**-50) in range
 
 
+_FIRST = 8  # columns summed first: XLA:CPU vectorises a reduction over many short rows
+
+
+def _combine(x: tuple, y: tuple) -> tuple:
+    return x[0] + y[0], x[1] + y[1], x[2] + y[2], jnp.maximum(x[3], y[3])
+
+
 def _sums_and_peaks(blocks: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
     """Per leaf: the sums of squares of ``a``, ``a * 2**-96`` and ``a * 2**96`` (``(3, L)``)
     and the largest magnitude (``(L,)``) of ``a``, given as blocks (``(R, C / B, B)``), in one
-    pass."""
+    pass over ``a``.
+
+    In three steps, each in a fixed order: every 8 columns (one reduction over rows of 8, which
+    XLA:CPU runs ~3x faster than one over a ``(0, 2)`` pair of axes of the blocks view), then
+    every :attr:`~optax_zero_one.core.flat.Layout.sum_block` columns (a reduction over 1/8 of
+    the data), then the rows added in turn and the runs summed by leaf (over ``C / sum_block``
+    entries instead of ``C / B``)."""
+    rows = blocks.reshape(-1, layout.width)
     zero = jnp.zeros([], blocks.dtype)
-    magnitude = jnp.abs(blocks)
     down, up = jnp.asarray(_DOWN, blocks.dtype), jnp.asarray(_UP, blocks.dtype)
-    plain, small, large, peaks = lax.reduce(
-        (jnp.square(blocks), jnp.square(blocks * down), jnp.square(blocks * up), magnitude),
-        (zero, zero, zero, zero),
-        lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2], jnp.maximum(x[3], y[3])),
-        (0, 2),
-    )
-    leaf = jnp.asarray(layout.block_leaf)
-    n = layout.num_leaves
-    sums = jnp.stack([plain, small, large])
+    x = rows.reshape(-1, _FIRST)
+    terms = (jnp.square(x), jnp.square(x * down), jnp.square(x * up), jnp.abs(x))
+    parts = lax.reduce(terms, (zero,) * 4, _combine, (1,))
+    group = layout.sum_block // _FIRST
+    if group > 1:
+        parts = lax.reduce(tuple(p.reshape(-1, group) for p in parts), (zero,) * 4, _combine, (1,))
+    per_row = [p.reshape(rows.shape[0], -1) for p in parts]
+    sums = jnp.stack([ordered_sum(p) for p in per_row[:3]])
+    peaks = per_row[3][0]
+    for row in range(1, rows.shape[0]):
+        peaks = jnp.maximum(peaks, per_row[3][row])
+    leaf, n = layout.sum_block_leaf, layout.num_leaves
     return (
-        _graph.segment_sums(sums, layout.block_leaf, n),  # the order of a sum matters
-        jax.ops.segment_max(peaks, leaf, n, indices_are_sorted=True),  # that of a max does not
+        _graph.segment_sums(sums, leaf, n),  # the order of a sum matters
+        jax.ops.segment_max(peaks, jnp.asarray(leaf), n, indices_are_sorted=True),  # not a max's
     )
 
 

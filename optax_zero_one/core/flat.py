@@ -37,6 +37,7 @@ from jax import lax
 from optax_zero_one.core import _checks, _graph
 
 _MAX_BLOCKS = 1 << 20  # block tables of at most 4 MiB (int32) per layout
+_MAX_SUM_BLOCK = 512  # the widest run of columns the per-leaf sums add up before the leaf table
 
 
 def padded_size(size: int, num_workers: int) -> int:
@@ -141,6 +142,23 @@ class Layout:
     def block_leaf(self) -> np.ndarray:
         """For every block, the index of the leaf it belongs to (int32, ``(C / B,)``)."""
         return np.repeat(np.arange(self.num_leaves), self.columns // self.block).astype(np.int32)
+
+    @functools.cached_property
+    def sum_block(self) -> int:
+        """The columns per-leaf reductions add up together before they go by leaf: the largest
+        power of two up to 512 (at least ``B``) that divides every leaf's columns, so that
+        every such run belongs to one leaf. It adds no padding; the fewer runs, the shorter the
+        segment sum over them (a serial scatter on XLA:CPU, a scan elsewhere)."""
+        size = self.block
+        while size < _MAX_SUM_BLOCK and not np.any(self.columns % (2 * size)):
+            size *= 2
+        return size
+
+    @functools.cached_property
+    def sum_block_leaf(self) -> np.ndarray:
+        """For every run of :attr:`sum_block` columns, the leaf it belongs to (int32)."""
+        runs = self.columns // self.sum_block
+        return np.repeat(np.arange(self.num_leaves), runs).astype(np.int32)
 
     @functools.cached_property
     def block_first(self) -> np.ndarray:
