@@ -356,11 +356,12 @@ def local_step_sync(
             # needs this and reads neither buffer.)
             x = jax.tree.map(lambda p, a: p.astype(a.dtype), params, anchor)
             first = jnp.logical_and(first, admit)
+            held = anchor
             anchor = jax.tree.map(lambda a, p: jnp.where(first, p, a), anchor, x)
             inner_state, own = _fresh_errors(rule, inner_state, start_step, own, first)
         if branch == SYNC:
             errors = _lent(rule, inner_state, start_step, own)
-            payload = _payload(rule, inner_state, anchor, x, out)
+            payload = _payload(rule, inner_state, held, x, out, first)
             mean, new_errors, finite = _compressed(payload, errors)
             errors = _graph.keep_if(admit, new_errors, errors)
             finite = jnp.logical_and(finite, admit)
@@ -430,10 +431,15 @@ def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any
     return params
 
 
-def _payload(rule: Any, inner_state: Any, anchor: Any, x: Any, step: Any) -> Any:
-    """``u * w``: this worker's distance to the anchor after its local step, weighted."""
+def _payload(rule: Any, inner_state: Any, anchor: Any, x: Any, step: Any, first: Any) -> Any:
+    """``u * w``: this worker's distance to the anchor after its local step, weighted; the
+    anchor is ``x`` where ``first``.
+
+    The same values as ``where(first, x, anchor) - (x + step)``, written per branch so that
+    XLA does not share (and write out) the selected anchor between this and the anchor's
+    update: one pass over the buffer less per sync on XLA:CPU."""
     weight = rule.weight(inner_state)
-    u = jax.tree.map(lambda a, x, d: a - (x + d), anchor, x, step)
+    u = jax.tree.map(lambda a, x, d: jnp.where(first, x - (x + d), a - (x + d)), anchor, x, step)
     return u if weight is None else jax.tree.map(jnp.multiply, u, weight)
 
 
