@@ -86,6 +86,32 @@ def test_scales_are_exact_far_outside_the_squares_range(magnitude):
     np.testing.assert_allclose(float(scale[0]), want, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "sizes, want_run",
+    [
+        ([4096, 2048, 4096], 512),  # every leaf's chunk a multiple of 512 columns
+        ([4096, 256, 2048], 64),  # a chunk of 64 columns
+        ([4096, 96, 2048], 8),  # a chunk of 24 columns: the blocks of 8 themselves
+    ],
+)
+def test_scales_over_runs_of_columns_match_float64(sizes, want_run):
+    """The per-leaf sums go over rows of 8 columns, then runs of ``Layout.sum_block`` columns,
+    then by leaf: the scales equal the float64 RMS of every leaf, on several worker rows,
+    with leaves far outside float32's squares range beside ordinary ones."""
+    rng = np.random.default_rng(3)
+    magnitudes = [1.0, 1e30, 1e-30]
+    tree = [(rng.standard_normal(n) * m).astype(np.float32) for n, m in zip(sizes, magnitudes)]
+    layout = flat.Layout.of(tree, 4)
+    assert layout.sum_block == want_run
+    assert np.all(layout.columns % layout.sum_block == 0) and layout.sum_block >= layout.block
+    assert len(layout.sum_block_leaf) == layout.width // layout.sum_block
+    buffer = flat.to_flat(tree, layout).buffer
+    _, scales = compression.leaf_rms(buffer, layout, layout.padded)
+    for leaf, padded in enumerate(layout.padded_leaves(jnp.asarray(buffer))):
+        want = np.sqrt(np.mean(np.asarray(padded, np.float64) ** 2))
+        np.testing.assert_allclose(float(scales[leaf]), want, rtol=1e-6)
+
+
 def test_pack_unpack_roundtrip():
     bits = np.random.default_rng(1).random((3, 40)) > 0.5
     packed = compression.pack_signs(jnp.asarray(bits))
