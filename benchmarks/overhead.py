@@ -27,7 +27,9 @@ whole update ``params, state <- apply_updates(params, update(grads, state, param
      by running the optimizer from ``init``);
    - **hinted**: the program compiled for that kind alone (``step_kind=``), same state;
    - **dispatched**: what a training loop runs: :func:`optax_zero_one.dispatch_by_kind` over a
-     run of consecutive steps, each step the hinted program of its kind chosen on the host.
+     run of consecutive steps, each step the hinted program of its kind chosen on the host;
+     beside each step, the same kind's hinted program called directly on a twin of the run
+     (same states), so that dispatched / hinted is the dispatcher's own cost, step by step.
 
    Reported as the median over rounds of the ratio to ``optax.adam`` + ``lax.pmean`` of the
    gradients, timed right before the variant in each round (same process, same load), and
@@ -599,7 +601,9 @@ def measure_steps(tree: dict, workers: int, repeats: int, log: Callable) -> dict
                 dispatched[kind], "dispatched", opt.name, kind, numel, workers, programs["hinted"]
             )
             row["dispatched"]["steps"] = len(dispatched[kind]["dispatched"])
-            row["dispatched_over_hinted"] = row["dispatched"]["ms"] / row["hinted"]["ms"]
+            pairs = zip(dispatched[kind]["dispatched"], dispatched[kind]["hinted run"])
+            row["hinted_run_ms"] = 1e3 * statistics.median(dispatched[kind]["hinted run"])
+            row["dispatched_over_hinted"] = statistics.median(d / h for d, h in pairs)
             rows.append(row)
             log("  " + _row_line(row))
     return {
@@ -615,21 +619,35 @@ def measure_steps(tree: dict, workers: int, repeats: int, log: Callable) -> dict
 def _dispatched_times(opt: Optimizer, params: Any, grads: Any, bases: dict) -> dict:
     """``{kind: {mode: [seconds]}}`` of a dispatched run of :data:`RUN_STEPS` steps (each step
     waited for, the baselines timed right before it; a kind's first two steps, which compile
-    and first touch their buffers, left out)."""
+    and first touch their buffers, left out).
+
+    Each step also runs its kind's hinted program directly, without the dispatcher, on a twin
+    of the run (``"hinted run"``: the same kinds at the same steps, so the same states), the two
+    calls in alternating order: their ratio step by step is what the dispatcher itself costs.
+    (The hinted program's rounds in :func:`measure_steps` run from one state, the kind's first,
+    at another moment: against them the dispatched median moved 0.6-1.15x with the host's drift
+    between the two measurements, in both directions.)"""
     state = jax.jit(jax.vmap(opt.tx.init, axis_name=AXIS))(params)
+    twin = _copy((params, state))
     params = _copy(params)
     run = dispatcher_of(opt)
+    hinted: dict[str, Any] = {}
     out: dict[str, dict[str, list]] = {}
     seen: dict[str, int] = {}
-    for _ in range(RUN_STEPS):
-        kind = run.next_kind(state).name
-        seen[kind] = seen.get(kind, 0) + 1
+    for k in range(RUN_STEPS):
+        kind = run.next_kind(state)
+        seen[kind.name] = seen.get(kind.name, 0) + 1
+        program = hinted.setdefault(kind.name, kind_program(opt, kind))
         times = {name: time_call(base)[0] for name, base in bases.items()}
-        start = time.perf_counter()
-        params, state = jax.block_until_ready(run(params, state, grads))
-        times["dispatched"] = time.perf_counter() - start
-        if seen[kind] > 2:
-            per = out.setdefault(kind, {name: [] for name in times})
+        for first in ("dispatched", "hinted run") if k % 2 else ("hinted run", "dispatched"):
+            start = time.perf_counter()
+            if first == "dispatched":
+                params, state = jax.block_until_ready(run(params, state, grads))
+            else:
+                twin = jax.block_until_ready(program(*twin, grads))
+            times[first] = time.perf_counter() - start
+        if seen[kind.name] > 2:
+            per = out.setdefault(kind.name, {name: [] for name in times})
             for name, t in times.items():
                 per[name].append(t)
     run.settle()
@@ -1069,7 +1087,9 @@ def tables(result: dict) -> str:
             f"Step time, {res['params']:,} params per worker in {res['leaves']} leaves, "
             f"{res['workers']} workers under vmap (median of {res['repeats']} rounds, the "
             f"dispatched column over a {RUN_STEPS}-step run; ratios to the baselines timed "
-            "in the same round). "
+            "in the same round; dispatched / hinted: the median step-by-step ratio to the same "
+            "kind's hinted program called directly on a twin of that run, in alternating "
+            "order). "
             + (
                 "Under vmap lax.pmean is a slow XLA:CPU reduction over the worker axis and "
                 "dominates adam+pmean: 'x adam' is the optimizer's own arithmetic."
