@@ -18,7 +18,10 @@ runs of AdamW and 0/1 Adam (read from ``results/convergence_long.json``, not rer
 - ``wide_adamw``, ``wide_onebit_adam``, ``wide_zero_one_adam``: the model at ``dim`` 128
   (the study's is 64), each optimizer on its recipe at the study's best rate for ``dim`` 64
   (not swept again); compared with ``wide_adamw``; ``wide_onebit_adam_4e-3`` the next rate
-  down for 1-bit Adam, which diverged at 8e-3.
+  down for 1-bit Adam, which diverged at 8e-3; ``wide_zero_one_adam_8e-3`` 0/1 Adam at its
+  best rate for ``dim`` 64 in the 10,000-step protocol (run with ``--steps 10000``), and
+  both 10,000-step wide rows on seeds 1 and 2 (``wide_adamw_seed1``, ...), each compared with
+  the wide AdamW run of its seed.
 
 One seed each (seed 0 unless named): a direction, not a claim (the study's seeds spread
 1.36-1.41 for 0/1 Adam). Each run is compared with the study's AdamW run on its own seed.
@@ -44,6 +47,10 @@ from benchmarks.support import common, training
 STEPS = 6000
 BASE_LR = 4e-3  # 0/1 Adam's best rate in the study's sweep
 WIDE_GPT = tuple((k, 128 if k == "dim" else v) for k, v in training.SMALL_GPT)
+VARIANTS_WIDE_10K: dict[str, dict[str, Any]] = {
+    "wide_adamw": {"optimizer": "adamw", "model": WIDE_GPT, "peak_lr": 8e-3},
+    "wide_zero_one_adam_8e-3": {"model": WIDE_GPT, "peak_lr": 8e-3},
+}
 VARIANTS: dict[str, dict[str, Any]] = {
     "freeze_15": {"freeze": 0.15},
     "no_local": {"clipper": 1},
@@ -58,11 +65,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "freeze_15_seed2": {"freeze": 0.15, "seed": 2},
     # a wider model (dim 128, the study's is 64): AdamW, 1-bit Adam and 0/1 Adam on their recipes
     # at the study's best rates for dim 64 (not swept again), to see which way the gaps move
-    "wide_adamw": {"optimizer": "adamw", "model": WIDE_GPT, "peak_lr": 8e-3},
+    "wide_adamw": VARIANTS_WIDE_10K["wide_adamw"],
     "wide_onebit_adam": {"optimizer": "onebit_adam", "model": WIDE_GPT, "peak_lr": 8e-3},
     "wide_zero_one_adam": {"model": WIDE_GPT},
     # 1-bit Adam diverged at 8e-3 on the wide model (right after its freeze): the next rate down
     "wide_onebit_adam_4e-3": {"optimizer": "onebit_adam", "model": WIDE_GPT, "peak_lr": 4e-3},
+    # 0/1 Adam's best rate for dim 64 in the 10,000-step protocol (--full), for wide runs of
+    # that length (``--steps 10000``)
+    "wide_zero_one_adam_8e-3": VARIANTS_WIDE_10K["wide_zero_one_adam_8e-3"],
+    # the two 10,000-step wide rows on the study's seeds 1 and 2
+    **{
+        f"{name}_seed{seed}": {**VARIANTS_WIDE_10K[name], "seed": seed}
+        for seed in (1, 2)
+        for name in VARIANTS_WIDE_10K
+    },
 }
 
 
@@ -84,7 +100,8 @@ def reference(run: dict[str, Any], result: dict[str, Any]) -> float | None:
     """The AdamW final loss a run is compared with: the wide AdamW run for a wide one, else the
     study's AdamW on the run's seed."""
     if "model" in run.get("changes", {}):
-        wide = result["variants"].get("wide_adamw")
+        seed = run.get("seed", 0)
+        wide = result["variants"].get("wide_adamw" + (f"_seed{seed}" if seed else ""))
         return None if wide is None else wide["final_val_loss"]
     adamw = {int(k): v for k, v in result.get("study_adamw_by_seed", {}).items()}
     return adamw.get(run.get("seed", 0))

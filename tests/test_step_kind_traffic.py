@@ -191,3 +191,36 @@ def test_cuts_of_leaves_of_one_shape_are_one_kernel(mapping):
     cuts, distinct = _distinct_cut_kernels(program.lower(params, params, state).compile().as_text())
     assert cuts >= len(shapes)  # the test sees the cuts
     assert distinct <= 2, (cuts, distinct)
+
+
+def _counter_ops(text):
+    """How many instructions of an optimised HLO text come from the counters' integer
+    remainders (the arithmetic behind a hint check and the policies)."""
+    return len(re.findall(r"op_name=\"[^\"]*remainder", text))
+
+
+@pytest.mark.parametrize("kind_name", ["compressed", "local", "sync"])
+def test_counter_checks_are_computed_once_not_per_leaf(kind_name):
+    """The scalar checks that gate a hinted step (its kind against the counters, finiteness,
+    a skip) are computed once and read by every leaf's kernel (``_graph.computed_once``):
+    XLA would otherwise copy the counters' arithmetic into each leaf's fused write, and the
+    program would grow with the leaves. Same shapes, 2 and 12 leaves: as many counter ops."""
+    schedule = ozo.StepSchedule(
+        ozo.VarianceDoubling(freeze_step=2), ozo.LocalStepDoubling(scaler=1, clipper=4)
+    )
+    kind = next(k for k in schedule.kinds if k.name == kind_name)
+    tx = ozo.zero_one_adam(1e-3, var_freeze_step=2, axis_name=AXIS)
+
+    def counter_ops(copies):
+        params = [jnp.zeros((N, *s)) for s in [(16, 8), (8,)] * copies]
+        state = jax.vmap(tx.init, axis_name=AXIS)(params)
+
+        def step(p, g, s):
+            return tx.update(g, s, p, step_kind=kind)
+
+        program = jax.jit(jax.vmap(step, axis_name=AXIS))
+        return _counter_ops(program.lower(params, params, state).compile().as_text())
+
+    few, many = counter_ops(1), counter_ops(6)
+    assert few > 0  # the test sees them
+    assert many == few, (few, many)

@@ -9,7 +9,8 @@ typing, the finiteness checks and the counters of a state (``docs/design.md``, "
   that a state made by ``init`` and one returned by ``update`` have the same type (``optax``'s
   wrappers, e.g. ``MultiSteps``, put the two in one ``lax.cond``).
 - :func:`all_finite`, :func:`keep_if` and :func:`restore_scalars` are the non-finite handling and
-  the gate a hinted step goes through: straight-line selects that XLA fuses into the writes.
+  the gate a hinted step goes through: straight-line selects that XLA fuses into the writes;
+  :func:`computed_once` keeps each scalar check one value that every write reads.
 - :func:`step_counter` and :func:`refusals` find a state's step counter and its records of
   refused hints through the ``STEP_COUNTER`` and ``REFUSED_HINT`` hooks that state classes
   declare, without knowing the classes.
@@ -261,7 +262,26 @@ def all_finite(tree: Any) -> jax.Array:
         return jnp.sum(flat)
 
     sums = [jnp.isfinite(leaf_sum(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
-    return jnp.stack(sums).all() if sums else jnp.ones([], bool)
+    return computed_once(jnp.stack(sums).all()) if sums else jnp.ones([], bool)
+
+
+def computed_once(flag: Any) -> Any:
+    """The scalar bool ``flag``, in a form every consumer reads instead of recomputing.
+
+    XLA fuses a chain of cheap scalar ops (the counters' arithmetic behind a hint check or a
+    skip) into *every* fusion that reads its result: each leaf's gated write gets its own copy
+    (~50 ops per leaf in 0/1 Adam's compressed step), which makes the programs larger and
+    slower to compile, not faster to run. A floating-point division is an op XLA does not
+    duplicate, so on XLA:CPU the flag goes through one (exactly: ``1 / 1 > 0.75``,
+    ``1 / 2 < 0.75``) and is computed once; other backends get ``flag`` as it is (not
+    measured there), chosen at lowering (``lax.platform_dependent``: no conditional).
+    Measured in ``docs/design.md`` ("The checks are computed once").
+    """
+
+    def apart(x: Any) -> Any:
+        return jnp.reciprocal(jnp.where(x, 1.0, 2.0).astype(jnp.float32)) > 0.75
+
+    return jax.lax.platform_dependent(flag, cpu=apart, default=lambda x: x)
 
 
 def keep_if(ok: Any, new: Any, old: Any) -> Any:
@@ -343,8 +363,8 @@ def by_kind(
             for b in range(num_branches)
         ]
         return switch(expected, branches, operand, axis_name)
-    own = expected == hint
-    ok = admitted(own, extra_args)  # a wrong hint is not applied: the state is kept
+    own = computed_once(expected == hint)
+    ok = computed_once(admitted(own, extra_args))  # a wrong hint is not applied: state kept
     updates, new_state = step(hint, ok, operand, {**extra_args, STEP_OK: ok})
     return refused(ok, updates), refuse_unless(ok, own, expected, new_state, operand[1])
 
@@ -379,7 +399,7 @@ def reported_skip(new_state: Any, old_state: Any) -> jax.Array | None:
         field = type(new).STEP_COUNTER
         before, after = getattr(old, field), getattr(new, field)
         kept.append(jnp.logical_and(after == before, before != largest))
-    return jnp.stack(kept).any()
+    return computed_once(jnp.stack(kept).any())
 
 
 def _promises(x: Any) -> bool:
