@@ -51,6 +51,13 @@ VARIANTS_WIDE_10K: dict[str, dict[str, Any]] = {
     "wide_adamw": {"optimizer": "adamw", "model": WIDE_GPT, "peak_lr": 8e-3},
     "wide_zero_one_adam_8e-3": {"model": WIDE_GPT, "peak_lr": 8e-3},
 }
+
+
+def on_seed(name: str, seed: int) -> str:
+    """The name of variant ``name`` run on the study's ``seed`` (seed 0 keeps the name)."""
+    return f"{name}_seed{seed}" if seed else name
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "freeze_15": {"freeze": 0.15},
     "no_local": {"clipper": 1},
@@ -75,7 +82,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "wide_zero_one_adam_8e-3": VARIANTS_WIDE_10K["wide_zero_one_adam_8e-3"],
     # the two 10,000-step wide rows on the study's seeds 1 and 2
     **{
-        f"{name}_seed{seed}": {**VARIANTS_WIDE_10K[name], "seed": seed}
+        on_seed(name, seed): {**VARIANTS_WIDE_10K[name], "seed": seed}
         for seed in (1, 2)
         for name in VARIANTS_WIDE_10K
     },
@@ -101,7 +108,7 @@ def reference(run: dict[str, Any], result: dict[str, Any]) -> float | None:
     study's AdamW on the run's seed."""
     if "model" in run.get("changes", {}):
         seed = run.get("seed", 0)
-        wide = result["variants"].get("wide_adamw" + (f"_seed{seed}" if seed else ""))
+        wide = result["variants"].get(on_seed("wide_adamw", seed))
         return None if wide is None else wide["final_val_loss"]
     adamw = {int(k): v for k, v in result.get("study_adamw_by_seed", {}).items()}
     return adamw.get(run.get("seed", 0))

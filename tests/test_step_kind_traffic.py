@@ -165,22 +165,19 @@ def _distinct_cut_kernels(text):
     return len(cuts), len(plain)
 
 
-@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
-def test_cuts_of_leaves_of_one_shape_are_one_kernel(mapping):
-    """``flatten`` hands each leaf's offset to its cut as a value of its own, so the cuts of
-    leaves of one shape are one kernel (compiled once): compile time follows the number of
-    leaf shapes, not of leaves."""
-    shapes = [(16, 8), (8,)] * 6  # 12 leaves, 2 shapes
+def _compiled_hinted_step(kind_name, copies, mapping="vmap"):
+    """The optimised HLO text of 0/1 Adam's hinted ``kind_name`` step on ``N`` workers, for
+    ``copies`` pairs of leaves of shapes ``(16, 8)`` and ``(8,)``."""
     tx = ozo.zero_one_adam(1e-3, var_freeze_step=2, axis_name=AXIS)
     kinds = ozo.StepSchedule(
         ozo.VarianceDoubling(freeze_step=2), ozo.LocalStepDoubling(scaler=1, clipper=4)
     ).kinds
-    local = next(k for k in kinds if k.name == "local")
-    params = [jnp.zeros((N, *s)) for s in shapes]
+    kind = next(k for k in kinds if k.name == kind_name)
+    params = [jnp.zeros((N, *s)) for s in [(16, 8), (8,)] * copies]
     state = jax.vmap(tx.init, axis_name=AXIS)(params)
 
     def step(p, g, s):
-        return tx.update(g, s, p, step_kind=local)
+        return tx.update(g, s, p, step_kind=kind)
 
     if mapping == "vmap":
         program = jax.jit(jax.vmap(step, axis_name=AXIS))
@@ -188,8 +185,16 @@ def test_cuts_of_leaves_of_one_shape_are_one_kernel(mapping):
         mesh = jax.make_mesh((N,), (AXIS,))
         program = jax.jit(on_workers(step, mesh))
         params, state = jax.device_put((params, state), NamedSharding(mesh, P(AXIS)))
-    cuts, distinct = _distinct_cut_kernels(program.lower(params, params, state).compile().as_text())
-    assert cuts >= len(shapes)  # the test sees the cuts
+    return program.lower(params, params, state).compile().as_text()
+
+
+@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
+def test_cuts_of_leaves_of_one_shape_are_one_kernel(mapping):
+    """``flatten`` hands each leaf's offset to its cut as a value of its own, so the cuts of
+    leaves of one shape are one kernel (compiled once): compile time follows the number of
+    leaf shapes, not of leaves."""
+    cuts, distinct = _distinct_cut_kernels(_compiled_hinted_step("local", 6, mapping))
+    assert cuts >= 12  # the test sees the cuts of all 12 leaves
     assert distinct <= 2, (cuts, distinct)
 
 
@@ -205,21 +210,9 @@ def test_counter_checks_are_computed_once_not_per_leaf(kind_name):
     a skip) are computed once and read by every leaf's kernel (``_graph.computed_once``):
     XLA would otherwise copy the counters' arithmetic into each leaf's fused write, and the
     program would grow with the leaves. Same shapes, 2 and 12 leaves: as many counter ops."""
-    schedule = ozo.StepSchedule(
-        ozo.VarianceDoubling(freeze_step=2), ozo.LocalStepDoubling(scaler=1, clipper=4)
-    )
-    kind = next(k for k in schedule.kinds if k.name == kind_name)
-    tx = ozo.zero_one_adam(1e-3, var_freeze_step=2, axis_name=AXIS)
 
     def counter_ops(copies):
-        params = [jnp.zeros((N, *s)) for s in [(16, 8), (8,)] * copies]
-        state = jax.vmap(tx.init, axis_name=AXIS)(params)
-
-        def step(p, g, s):
-            return tx.update(g, s, p, step_kind=kind)
-
-        program = jax.jit(jax.vmap(step, axis_name=AXIS))
-        return _counter_ops(program.lower(params, params, state).compile().as_text())
+        return _counter_ops(_compiled_hinted_step(kind_name, copies))
 
     few, many = counter_ops(1), counter_ops(6)
     assert few > 0  # the test sees them

@@ -363,7 +363,7 @@ def by_kind(
             for b in range(num_branches)
         ]
         return switch(expected, branches, operand, axis_name)
-    own = computed_once(expected == hint)
+    own = expected == hint  # feeds scalar selects only (refuse_unless)
     ok = computed_once(admitted(own, extra_args))  # a wrong hint is not applied: state kept
     updates, new_state = step(hint, ok, operand, {**extra_args, STEP_OK: ok})
     return refused(ok, updates), refuse_unless(ok, own, expected, new_state, operand[1])
