@@ -21,7 +21,8 @@ runs of AdamW and 0/1 Adam (read from ``results/convergence_long.json``, not rer
   down for 1-bit Adam, which diverged at 8e-3; ``wide_zero_one_adam_8e-3`` 0/1 Adam at its
   best rate for ``dim`` 64 in the 10,000-step protocol (run with ``--steps 10000``), and
   both 10,000-step wide rows on seeds 1 and 2 (``wide_adamw_seed1``, ...), each compared with
-  the wide AdamW run of its seed.
+  the wide AdamW run of its seed; ``wide_sweep_adamw_0.002``, ... the 10,000-step protocol's
+  sweep (``--steps 2000``, rates 2e-3 to 1.6e-2) for the wide AdamW and 0/1 Adam rows.
 
 One seed each (seed 0 unless named): a direction, not a claim (the study's seeds spread
 1.36-1.41 for 0/1 Adam). Each run is compared with the study's AdamW run on its own seed.
@@ -50,6 +51,8 @@ WIDE_GPT = tuple((k, 128 if k == "dim" else v) for k, v in training.SMALL_GPT)
 VARIANTS_WIDE_10K: dict[str, dict[str, Any]] = {
     "wide_adamw": {"optimizer": "adamw", "model": WIDE_GPT, "peak_lr": 8e-3},
     "wide_zero_one_adam_8e-3": {"model": WIDE_GPT, "peak_lr": 8e-3},
+    # AdamW at the best rate of the wide sweep (``wide_sweep_*``, 2,000 steps)
+    "wide_adamw_4e-3": {"optimizer": "adamw", "model": WIDE_GPT, "peak_lr": 4e-3},
 }
 
 
@@ -57,6 +60,8 @@ def on_seed(name: str, seed: int) -> str:
     """The name of variant ``name`` run on the study's ``seed`` (seed 0 keeps the name)."""
     return f"{name}_seed{seed}" if seed else name
 
+
+WIDE_SWEEP_LRS = (*convergence_long.PRESETS["full"].lrs, 1.6e-2)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "freeze_15": {"freeze": 0.15},
@@ -80,11 +85,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # 0/1 Adam's best rate for dim 64 in the 10,000-step protocol (--full), for wide runs of
     # that length (``--steps 10000``)
     "wide_zero_one_adam_8e-3": VARIANTS_WIDE_10K["wide_zero_one_adam_8e-3"],
+    "wide_adamw_4e-3": VARIANTS_WIDE_10K["wide_adamw_4e-3"],
     # the two 10,000-step wide rows on the study's seeds 1 and 2
     **{
         on_seed(name, seed): {**VARIANTS_WIDE_10K[name], "seed": seed}
         for seed in (1, 2)
         for name in VARIANTS_WIDE_10K
+    },
+    # the full protocol's sweep for the wide model (run with ``--steps 2000``): its grid and one
+    # rate past its top edge, for AdamW and 0/1 Adam, seed 0
+    **{
+        f"wide_sweep_{name}_{lr:g}": {**VARIANTS_WIDE_10K[row], "peak_lr": lr}
+        for name, row in (("adamw", "wide_adamw"), ("zero_one_adam", "wide_zero_one_adam_8e-3"))
+        for lr in WIDE_SWEEP_LRS
     },
 }
 
