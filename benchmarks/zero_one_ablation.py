@@ -62,7 +62,20 @@ def on_seed(name: str, seed: int) -> str:
     return f"{name}_seed{seed}" if seed else name
 
 
+# the 10,000-step wide rows on the study's seeds 1 and 2
+VARIANTS_WIDE_10K_SEEDS: dict[str, dict[str, Any]] = {
+    on_seed(name, seed): {**VARIANTS_WIDE_10K[name], "seed": seed}
+    for seed in (1, 2)
+    for name in VARIANTS_WIDE_10K
+}
 WIDE_SWEEP_LRS = (*convergence_long.PRESETS["full"].lrs, 1.6e-2)
+# the full protocol's sweep for the wide model (run with ``--steps 2000``): its grid and one rate
+# past its top edge, for AdamW and 0/1 Adam, seed 0
+VARIANTS_WIDE_SWEEP: dict[str, dict[str, Any]] = {
+    f"wide_sweep_{name}_{lr:g}": {**VARIANTS_WIDE_10K[row], "peak_lr": lr}
+    for name, row in (("adamw", "wide_adamw"), ("zero_one_adam", "wide_zero_one_adam_8e-3"))
+    for lr in WIDE_SWEEP_LRS
+}
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "freeze_15": {"freeze": 0.15},
@@ -87,26 +100,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # that length (``--steps 10000``)
     "wide_zero_one_adam_8e-3": VARIANTS_WIDE_10K["wide_zero_one_adam_8e-3"],
     "wide_adamw_4e-3": VARIANTS_WIDE_10K["wide_adamw_4e-3"],
-    # the two 10,000-step wide rows on the study's seeds 1 and 2
-    **{
-        on_seed(name, seed): {**VARIANTS_WIDE_10K[name], "seed": seed}
-        for seed in (1, 2)
-        for name in VARIANTS_WIDE_10K
-    },
-    # the full protocol's sweep for the wide model (run with ``--steps 2000``): its grid and one
-    # rate past its top edge, for AdamW and 0/1 Adam, seed 0
-    **{
-        f"wide_sweep_{name}_{lr:g}": {**VARIANTS_WIDE_10K[row], "peak_lr": lr}
-        for name, row in (("adamw", "wide_adamw"), ("zero_one_adam", "wide_zero_one_adam_8e-3"))
-        for lr in WIDE_SWEEP_LRS
-    },
+    **VARIANTS_WIDE_10K_SEEDS,
+    **VARIANTS_WIDE_SWEEP,
 }
 # The variants made for other lengths than STEPS (``--steps 10000``, or 2000 for the sweep): run
 # only when named, so that the default is the 6,000-step ablation (wide_adamw serves both).
-OTHER_LENGTHS = (
-    {*VARIANTS_WIDE_10K, *(on_seed(n, s) for n in VARIANTS_WIDE_10K for s in (1, 2))}
-    | {name for name in VARIANTS if name.startswith("wide_sweep_")}
-) - {"wide_adamw"}
+OTHER_LENGTHS = {*VARIANTS_WIDE_10K, *VARIANTS_WIDE_10K_SEEDS, *VARIANTS_WIDE_SWEEP} - {
+    "wide_adamw"
+}
 
 
 def optimizer_of(changes: dict[str, Any]) -> str:
