@@ -22,7 +22,9 @@ runs of AdamW and 0/1 Adam (read from ``results/convergence_long.json``, not rer
   best rate for ``dim`` 64 in the 10,000-step protocol (run with ``--steps 10000``), and
   both 10,000-step wide rows on seeds 1 and 2 (``wide_adamw_seed1``, ...), each compared with
   the wide AdamW run of its seed; ``wide_sweep_adamw_0.002``, ... the 10,000-step protocol's
-  sweep (``--steps 2000``, rates 2e-3 to 1.6e-2) for the wide AdamW and 0/1 Adam rows.
+  sweep (``--steps 2000``, rates 2e-3 to 1.6e-2; 1-bit Adam's 1e-3 to 8e-3) for the wide
+  AdamW, 0/1 Adam and 1-bit Adam rows, and ``wide_adamw_4e-3``, ``wide_onebit_adam_2e-3``
+  (and their ``_seed1``, ``_seed2``) the 10,000-step rows at the sweep's best rates.
 
 One seed each (seed 0 unless named): a direction, not a claim (the study's seeds spread
 1.36-1.41 for 0/1 Adam). Each run is compared with the study's AdamW run on its own seed.
@@ -49,11 +51,13 @@ from benchmarks.support import common, training
 STEPS = 6000
 BASE_LR = 4e-3  # 0/1 Adam's best rate in the study's sweep
 WIDE_GPT = tuple((k, 128 if k == "dim" else v) for k, v in training.SMALL_GPT)
+WIDE_ONEBIT = {"optimizer": "onebit_adam", "model": WIDE_GPT}
 VARIANTS_WIDE_10K: dict[str, dict[str, Any]] = {
     "wide_adamw": {"optimizer": "adamw", "model": WIDE_GPT, "peak_lr": 8e-3},
     "wide_zero_one_adam_8e-3": {"model": WIDE_GPT, "peak_lr": 8e-3},
-    # AdamW at the best rate of the wide sweep (``wide_sweep_*``, 2,000 steps)
+    # AdamW and 1-bit Adam at the best rates of the wide sweep (``wide_sweep_*``, 2,000 steps)
     "wide_adamw_4e-3": {"optimizer": "adamw", "model": WIDE_GPT, "peak_lr": 4e-3},
+    "wide_onebit_adam_2e-3": {**WIDE_ONEBIT, "peak_lr": 2e-3},
 }
 
 
@@ -70,11 +74,16 @@ VARIANTS_WIDE_10K_SEEDS: dict[str, dict[str, Any]] = {
 }
 WIDE_SWEEP_LRS = (*convergence_long.PRESETS["full"].lrs, 1.6e-2)
 # the full protocol's sweep for the wide model (run with ``--steps 2000``): its grid and one rate
-# past its top edge, for AdamW and 0/1 Adam, seed 0
+# past its top edge, for AdamW and 0/1 Adam, seed 0; for 1-bit Adam its grid first, then the
+# rate past an edge if the best is there
 VARIANTS_WIDE_SWEEP: dict[str, dict[str, Any]] = {
-    f"wide_sweep_{name}_{lr:g}": {**VARIANTS_WIDE_10K[row], "peak_lr": lr}
-    for name, row in (("adamw", "wide_adamw"), ("zero_one_adam", "wide_zero_one_adam_8e-3"))
-    for lr in WIDE_SWEEP_LRS
+    f"wide_sweep_{name}_{lr:g}": {**base, "peak_lr": lr}
+    for name, base, lrs in (
+        ("adamw", VARIANTS_WIDE_10K["wide_adamw"], WIDE_SWEEP_LRS),
+        ("zero_one_adam", VARIANTS_WIDE_10K["wide_zero_one_adam_8e-3"], WIDE_SWEEP_LRS),
+        ("onebit_adam", WIDE_ONEBIT, (1e-3, *WIDE_SWEEP_LRS)),
+    )
+    for lr in lrs
 }
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -92,14 +101,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a wider model (dim 128, the study's is 64): AdamW, 1-bit Adam and 0/1 Adam on their recipes
     # at the study's best rates for dim 64 (not swept again), to see which way the gaps move
     "wide_adamw": VARIANTS_WIDE_10K["wide_adamw"],
-    "wide_onebit_adam": {"optimizer": "onebit_adam", "model": WIDE_GPT, "peak_lr": 8e-3},
+    "wide_onebit_adam": {**WIDE_ONEBIT, "peak_lr": 8e-3},
     "wide_zero_one_adam": {"model": WIDE_GPT},
     # 1-bit Adam diverged at 8e-3 on the wide model (right after its freeze): the next rate down
-    "wide_onebit_adam_4e-3": {"optimizer": "onebit_adam", "model": WIDE_GPT, "peak_lr": 4e-3},
-    # 0/1 Adam's best rate for dim 64 in the 10,000-step protocol (--full), for wide runs of
-    # that length (``--steps 10000``)
-    "wide_zero_one_adam_8e-3": VARIANTS_WIDE_10K["wide_zero_one_adam_8e-3"],
-    "wide_adamw_4e-3": VARIANTS_WIDE_10K["wide_adamw_4e-3"],
+    "wide_onebit_adam_4e-3": {**WIDE_ONEBIT, "peak_lr": 4e-3},
+    # the wide rows of the 10,000-step protocol (``--steps 10000``), on its 3 seeds
+    **VARIANTS_WIDE_10K,
     **VARIANTS_WIDE_10K_SEEDS,
     **VARIANTS_WIDE_SWEEP,
 }
