@@ -132,7 +132,7 @@ def schedule_table(rows: list[dict[str, Any]]) -> str:
     """The whole-schedule runs: time by step kind, against estimated AdamW and 1-bit Adam."""
     head = (
         f"{'P':>2} {'rate':>8} {'steps':>5} {'seconds':>8} {'x AdamW*':>9} {'x 1-bit*':>9} "
-        f"{'link/HLO':>8}  seconds by kind (steps)"
+        f"{'of limit':>8} {'link/HLO':>8}  seconds by kind (steps)"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -140,9 +140,12 @@ def schedule_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['processes']:>2} {r['rate']:>8} {r['steps']:>5} {r['seconds']:8.1f} "
             f"{r['speedup_over_adamw']:9.2f} {r['speedup_over_onebit']:9.2f} "
-            f"{r['link_over_hlo']:8.3f}  {kinds}"
+            f"{r['fraction_of_limit']:8.1%} {r['link_over_hlo']:8.3f}  {kinds}"
         )
-    lines.append("* against AdamW / 1-bit Adam over as many steps, estimated from their rates")
+    lines.append(
+        "* against AdamW / 1-bit Adam over as many steps, estimated from their rates; of limit: "
+        "the no-communication row's rate over as many steps"
+    )
     return "\n".join(lines)
 
 
