@@ -5,12 +5,15 @@ not handle yet are ``xfail(strict=True)`` with the reason and the fix, so that f
 the suite red until the mark is removed.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from support.mapping import AXIS
 from support.reference import CompressedMean
 
@@ -234,6 +237,32 @@ def test_axis_name_unbound_at_update(name):
         wrong(ozo.replicate(PARAMS, N), ozo.replicate(state, N))
 
 
+@pytest.mark.parametrize("mapping", ["vmap", "pmap", "shard_map"])
+def test_a_forgotten_axis_name_inside_a_mapped_step_warns(mapping):
+    """Built without axis_name, the optimizer runs on each worker alone and JAX has nothing to
+    complain about: the library warns when it is traced per worker over a named axis."""
+    tx = ozo.zero_one_adam(0.1, **SCHEDULE)  # axis_name forgotten
+
+    def step(p, s, g):
+        return tx.update(g, s, p)
+
+    params = ozo.replicate(PARAMS, N)
+    state = jax.vmap(tx.init)(params)
+    if mapping == "vmap":
+        mapped = jax.vmap(step, axis_name=AXIS)
+    elif mapping == "pmap":
+        mapped = jax.pmap(step, axis_name=AXIS, devices=jax.devices()[:N])
+    else:
+        mesh = jax.make_mesh((N,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+        block = lambda *t: jax.tree.map(lambda x: x[None], step(*jax.tree.map(lambda x: x[0], t)))  # noqa: E731
+        mapped = jax.jit(jax.shard_map(block, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    with pytest.warns(UserWarning, match=r"axis_name=None but runs per worker .* over 'w'"):
+        mapped(params, state, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one worker, unmapped: nothing to warn about
+        jax.jit(step)(PARAMS, tx.init(PARAMS), PARAMS)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_num_workers_differs_from_axis_size(name):
     tx = OPTIMIZERS[name](num_workers=2)
@@ -339,6 +368,7 @@ ZERO_ONE_NONSENSE = [
     (dict(learning_rate=True), r"learning_rate must be a float or an optax.Schedule"),
     (dict(var_freeze_step=-1), r"var_freeze_step must be an integer >= 0"),
     (dict(var_freeze_step=1.5), r"var_freeze_step must be an integer >= 0"),
+    (dict(var_freeze_step=0), r"frozen after step 0, before any step has measured it"),
     (dict(var_update_scaler=0), r"var_update_scaler must be an integer >= 1"),
     (dict(local_step_scaler=0), r"local_step_scaler must be an integer >= 1"),
     (dict(local_step_clipper=0), r"local_step_clipper must be an integer >= 1"),
@@ -362,6 +392,7 @@ ONEBIT_NONSENSE = [
     (dict(learning_rate="fast"), r"learning_rate must be a float"),
     (dict(freeze_step=-1), r"freeze_step must be an integer >= 0"),
     (dict(freeze_step=2.0), r"freeze_step must be an integer >= 0"),
+    (dict(freeze_step=0), r"frozen after step 0.*onebit_adam's freeze_step >= 1"),
 ]
 
 

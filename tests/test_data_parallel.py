@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -380,6 +381,70 @@ def test_bad_input_is_refused_with_the_fix():
         train(params, state2, np.zeros((32, 16), np.float32))
     with pytest.raises(ValueError, match=r"use dp.synchronized_params"):
         ozo.synchronized_params(params_w, state)
+    with pytest.raises(ValueError, match=r"step takes no step_kind argument.*step_kind=None"):
+        dp.jit(step, schedule=SCHEDULE)  # at once, not at the first step
+
+
+@pytest.mark.parametrize("axis_name", ["model", None, "batch"])
+def test_an_optimizer_built_for_another_axis_is_refused(axis_name):
+    """On a ("data", "model") mesh an optimizer communicating over "model" (or nothing) runs
+    without any error from JAX, and the data workers never average: refused, with the fix."""
+    mesh = mesh_of(2)
+    params = jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), host_params(), SPECS
+    )
+    dp = ozo.data_parallel(mesh, params)
+    wrong = ozo.zero_one_adam(1e-2, axis_name=axis_name, var_freeze_step=6)
+    problem = (
+        "axis_name=None, so each data worker would train alone"
+        if axis_name is None
+        else (f"communicates over axis_name='{axis_name}', which is not where the data workers are")
+    )
+    with pytest.raises(ValueError, match=f"{problem}.*build the optimizer with axis_name='data'"):
+        dp.init(dp.optimizer(wrong), dp.to_workers(params))
+    one_d = ozo.data_parallel(mesh_of(1), host_params())  # no model sharding: tx unwrapped
+    with pytest.raises(ValueError, match=problem):
+        one_d.init(one_d.optimizer(wrong), one_d.to_workers(host_params()))
+
+
+def test_two_d_precompiled_programs_keep_every_sharding():
+    """Each kind's program returns params and state sharded as it got them. Left free, XLA gave
+    the output of a replicated bias on the model-sharded hidden layer a "model" sharding (its
+    gradient is computed sharded), so the next kind's precompiled program, compiled for the
+    input's, fell back to compiling again."""
+    mesh = mesh_of(2)
+    specs = {"w1": P(None, "model"), "b1": P(), "w2": P("model", None)}
+    rng = np.random.default_rng(0)
+    shapes = {"w1": (16, 32), "b1": (32,), "w2": (32, 4)}
+    params = {
+        k: jax.device_put(
+            0.3 * rng.standard_normal(shapes[k]).astype(np.float32), NamedSharding(mesh, spec)
+        )
+        for k, spec in specs.items()
+    }
+    dp = ozo.data_parallel(mesh, params)
+    tx = dp.optimizer(make_tx())
+
+    def step(p, s, x, step_kind=None):
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]) ** 2)
+        )(p)
+        u, s = tx.update(g, s, p, step_kind=step_kind)
+        return optax.apply_updates(p, u), s, loss
+
+    train = dp.jit(step, schedule=SCHEDULE)
+    p = dp.to_workers(params)
+    s = dp.init(tx, p)
+    xs = batches(STEPS)
+    before = [x.sharding for x in jax.tree.leaves((p, s))]
+    train.precompile(p, s, xs[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warns
+        for x in xs:
+            p, s, _ = train(p, s, x)
+    for a, x in zip(before, jax.tree.leaves((p, s)), strict=True):
+        assert x.sharding.is_equivalent_to(a, x.ndim), (a, x.sharding)
+    assert all(raw.compiled is not None for raw in train._raw.values())
 
 
 def test_two_processes_train_as_one(tmp_path):

@@ -192,6 +192,21 @@ def test_worker_count_and_reset_errors():
     ozo.check_worker_count((ozo.replicate(params, 4), state), 4)
     ozo.check_worker_count(jax.eval_shape(lambda: state), 4)  # shapes alone
     ozo.check_worker_count({}, 3)  # nothing to check
+
+
+def test_worker_count_reads_an_orbax_checkpoints_metadata(tmp_path):
+    """What a user has before restoring: Orbax's metadata of the saved step (its tree is in
+    ``item_metadata``; the other fields are scalars such as the save time)."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = {"w": jnp.zeros((10,))}
+    state = ozo.replicate(ozo.onebit_mean("w", num_workers=4).init(params), 4)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"params": ozo.replicate(params, 4), "opt_state": state})
+    checkpointer.wait_until_finished()
+    metadata = checkpointer.metadata(tmp_path / "ckpt")
+    ozo.check_worker_count(metadata, 4)
+    with pytest.raises(ValueError, match="saved by 4 workers, but this run has 8"):
+        ozo.check_worker_count(metadata, 8)
     with pytest.raises(ValueError, match="disagree"):
         ozo.integration.checkpoint.worker_count({"a": jnp.zeros((4, 2)), "b": jnp.zeros((3,))})
     with pytest.raises(ValueError, match="scalar"):

@@ -143,9 +143,12 @@ def test_a_wrong_hint_is_not_applied(name):
                 assert np.all(np.asarray(x) == 0), (k, right, wrong)
             assert_same_bits(without_records(s), without_records(state))
             assert refused_count(s) > refused_count(state)
+            with pytest.raises(ValueError, match=r"refused 1 \(its counters asked for"):
+                ozo.check_hints(s)  # a loop of its own learns of it
             checked += 1
         u, state = run(grads_at(k), state, params)
         params = optax.apply_updates(params, u)
+        ozo.check_hints(state)  # no hint refused: passes
     assert checked >= 13
 
 
@@ -347,16 +350,21 @@ def test_precompile_takes_pmap_programs():
         step = functools.partial(_step, tx, kind=kind)
         return jax.pmap(step, axis_name=AXIS, devices=jax.devices()[:N])
 
-    params = params0()
+    params = params0()  # on one device, as ozo.replicate makes them: pmap shards them
     state = jax.pmap(tx.init, axis_name=AXIS, devices=jax.devices()[:N])(params)
-    lazy, ahead = (ozo.dispatch_by_kind(compile_kind, schedule) for _ in range(2))
+    lazy, ahead, behind = (ozo.dispatch_by_kind(compile_kind, schedule) for _ in range(3))
     assert sorted(ahead.precompile(params, state, grads_at(1))) == sorted(schedule.names)
-    p1, s1, p2, s2 = params, state, params, state
-    for k in range(1, 9):
-        p1, s1 = lazy(p1, s1, grads_at(k))
-        p2, s2 = ahead(p2, s2, grads_at(k))
-    assert_same_bits((p1, s1), (p2, s2))
-    assert all(raw.compiled is not None for raw in ahead._raw.values())
+    done = behind.precompile_in_background(params, state, grads_at(1))
+    runs = [(params, state)] * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to compiling for other arguments
+        for k in range(1, 9):
+            runs = [run(*ps, grads_at(k)) for run, ps in zip((lazy, ahead, behind), runs)]
+    assert sorted(done.result()) == sorted(schedule.names)
+    assert_same_bits(runs[0], runs[1])
+    assert_same_bits(runs[0], runs[2])
+    for run in (ahead, behind):
+        assert all(raw.compiled is not None for raw in run._raw.values())
 
 
 def test_a_precompiled_program_given_consumed_arrays_raises_and_stays():
@@ -495,11 +503,39 @@ def test_hints_are_checked_at_the_call():
     tx = zero_one()
     state = jax.vmap(tx.init, axis_name=AXIS)(params0())
     with pytest.raises(ValueError, match="step_kind must be None .* or an optax_zero_one.StepKind"):
-        jax.vmap(lambda g, s, p: tx.update(g, s, p, step_kind="local"), axis_name=AXIS)(
+        jax.vmap(lambda g, s, p: tx.update(g, s, p, step_kind=2), axis_name=AXIS)(
             grads_at(1), state, params0()
         )
+    for name in ("local", "locl"):  # a name, even a right one, does not say which kind it is
+        with pytest.raises(ValueError, match=f"not the string '{name}'.*schedule.kind"):
+            jax.vmap(lambda g, s, p, n=name: tx.update(g, s, p, step_kind=n), axis_name=AXIS)(
+                grads_at(1), state, params0()
+            )
     with pytest.raises(ValueError, match="StepSchedule"):
         ozo.dispatch_by_kind(lambda kind: None, ozo.STEP_KINDS)
+    # steps are numbered from 1: a loop's 0-based index is refused, not read as step 1's kind
+    for bad in (0, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"numbered from 1.*schedule.kind\(i \+ 1\)"):
+            SCHEDULE.kind(bad)
+    with pytest.raises(ValueError, match="numbered from 1"):
+        SCHEDULE.indices(8, first=0)
+    assert SCHEDULE.kind(np.int64(9)).name == "sync"
+
+
+def test_multisteps_under_a_schedule_is_refused_with_the_fix():
+    """optax.MultiSteps updates the optimizer once every k calls, which no per-call schedule can
+    follow: the dispatcher says so at the first call (it failed deep inside optax's cond)."""
+    tx = optax.MultiSteps(zero_one(), every_k_schedule=2)
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)),
+        SCHEDULE,
+    )
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    with pytest.raises(
+        ValueError, match="optax.MultiSteps.*once every k calls.*without a schedule"
+    ):
+        run(params, state, grads_at(1))
 
 
 def test_the_in_graph_kind_of_a_state_matches_the_host_schedule():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -96,9 +100,97 @@ def split_axes(axes: Axes) -> tuple[str | None, str | None]:
     return (axes[0], axes[1]) if isinstance(axes, tuple) else (axes, None)
 
 
+_EXPECTED_AXES: contextvars.ContextVar[tuple[Axes, str] | None] = contextvars.ContextVar(
+    "optax_zero_one_expected_axes", default=None
+)
+
+
+@contextlib.contextmanager
+def expect_worker_axes(axes: Axes, owner: str) -> Iterator[None]:
+    """While this is open (at trace time), every transform of the library must communicate
+    over ``axes``: a helper that owns the worker axis (``owner``, e.g. ``data_parallel``) knows
+    which axis the workers are on, and an optimizer built for another axis (or none) would
+    train each worker alone without any error from JAX."""
+    token = _EXPECTED_AXES.set((axes, owner))
+    try:
+        yield
+    finally:
+        _EXPECTED_AXES.reset(token)
+
+
+def _built_with(axes: Axes) -> str:
+    slow, fast = split_axes(axes)
+    return f"axis_name={slow!r}" + ("" if fast is None else f", fast_axis_name={fast!r}")
+
+
+def check_expected_axes(axes: Axes) -> None:
+    """Raises ``ValueError`` if ``axes`` are not those a surrounding helper expects."""
+    found = _EXPECTED_AXES.get()
+    if found is None or found[0] == axes:
+        return
+    expected, owner = found
+    if axes is None:
+        problem = (
+            "was built with axis_name=None, so each data worker would train alone and the "
+            "workers would never average"
+        )
+    else:
+        problem = (
+            f"communicates over {_built_with(axes)}, which is not where the data workers are: "
+            "they would never average"
+        )
+    raise ValueError(
+        f"The optimizer {problem}. {owner} runs its data workers on {expected!r}: build the "
+        f"optimizer with {_built_with(expected)}, e.g. "
+        f"ozo.zero_one_adam(learning_rate, {_built_with(expected)})."
+    )
+
+
+def bound_workers(axes: Axes, num_workers: Any, updates: Any) -> int:
+    """The worker count in ``update``, checked: ``axes`` bound (and those a surrounding helper
+    expects), ``num_workers`` agreeing, and a warning if ``axes`` is ``None`` while the updates
+    are per worker over a ``shard_map`` / ``pmap`` axis (then no worker ever hears from the
+    others: most likely the optimizer was built without its ``axis_name``)."""
+    workers = axis_size(axes)
+    if num_workers is not None:
+        resolve_num_workers(axes, num_workers)
+    if axes is None:
+        mapped = _mapped_axes(updates)
+        if mapped:
+            names = ", ".join(repr(a) for a in sorted(mapped))
+            warnings.warn(
+                "An optax_zero_one optimizer was built with axis_name=None but runs per worker "
+                f"inside a mapped program over {names}: every worker trains alone, nothing is "
+                f"averaged. Build it with axis_name= the workers' axis (one of {names}); for "
+                "one worker, call update outside shard_map / pmap.",
+                stacklevel=2,
+            )
+    return workers
+
+
+def _mapped_axes(updates: Any) -> set[str]:
+    """The named axes bound where ``update`` is traced (``shard_map``, ``pmap``, ``vmap``).
+
+    JAX has no public query for them: this reads its axis environment where that exists
+    (``jax._src.core.unsafe_get_axis_names``, jax 0.10) and otherwise falls back to the axes the
+    updates are typed as varying over (``shard_map`` only). Used for a warning alone."""
+    names: set[str] = set()
+    try:
+        from jax._src import core as jax_core
+
+        names = {a for a in jax_core.unsafe_get_axis_names() if isinstance(a, str)}
+    except (ImportError, AttributeError):
+        pass
+    for x in jax.tree.leaves(updates):
+        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+        names |= {a for a in getattr(manual, "varying", ()) if isinstance(a, str)}
+    return names
+
+
 def axis_size(axis_name: Axes) -> int:
     """Number of workers on ``axis_name`` (``1`` for ``None``; the product of the sizes of a
     ``(slow, fast)`` pair), with a clear error if unbound."""
+    check_expected_axes(axis_name)
     if axis_name is None:
         return 1
     try:
@@ -132,6 +224,7 @@ def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
 
     For a ``(slow, fast)`` pair ``num_workers`` is ``(nodes, workers per node)`` and the count
     is their product."""
+    check_expected_axes(axis_name)
     if isinstance(axis_name, tuple):
         pair = (
             isinstance(num_workers, tuple | list)

@@ -414,9 +414,7 @@ def onebit_mean(
 
     def update_fn(updates: Any, state: OnebitMeanState, params: Any, **extra_args: Any) -> Any:
         del params, extra_args
-        workers = _checks.axis_size(axes)
-        if num_workers is not None:
-            _checks.resolve_num_workers(axes, num_workers)
+        workers = _checks.bound_workers(axes, num_workers, updates)
         _checks.check_float_leaves(updates, "the compressed mean's input")
         stored = flat.find_layout(state)
         if stored is not None and not isinstance(updates, FlatTree):

@@ -69,6 +69,16 @@ def check_step_kind(step_kind: Any, where: str) -> StepKind | None:
     """``step_kind`` if it is ``None`` or a :class:`StepKind`; a clear ``ValueError`` otherwise."""
     if step_kind is None or isinstance(step_kind, StepKind):
         return step_kind
+    if isinstance(step_kind, str):
+        raise ValueError(
+            f"{where}: step_kind must be an optax_zero_one.StepKind (or None), not the string "
+            f"{step_kind!r}. Take it from the optimizer's schedule: schedule.kind(step), or "
+            "ozo.step_kind(opt_state, schedule) (schedule = ozo.zero_one_schedule(...) with "
+            "zero_one_adam's arguments, ozo.onebit_schedule(freeze_step) for onebit_adam). "
+            "0/1 Adam's kinds are 'variance', 'compressed', 'local', 'sync'; 1-bit Adam's "
+            "'warmup', 'compressed' (a phase-B kind, unlike 0/1 Adam's 'compressed'), so a "
+            "name alone does not say which kind is meant."
+        )
     raise ValueError(
         f"{where}: step_kind must be None (decide in the graph) or an optax_zero_one.StepKind, "
         f"e.g. schedule.kind(step) of an optax_zero_one.StepSchedule; got {step_kind!r}. A "
@@ -119,6 +129,7 @@ class StepSchedule:
 
     def indices(self, num_steps: int, first: int = 1) -> np.ndarray:
         """The kind (an index into :attr:`kinds`) of each step ``first..num_steps``."""
+        _check_step(first)
         out = np.empty(max(num_steps - first + 1, 0), dtype=np.int8)
         walk = _Walk(self)
         for k in range(first, num_steps + 1):
@@ -134,7 +145,18 @@ class StepSchedule:
         with _WALK_LOCK:
             if self._walk is None:
                 object.__setattr__(self, "_walk", _Walk(self))
-            return self._walk.kind(step)
+            return self._walk.kind(_check_step(step))
+
+
+def _check_step(step: Any) -> int:
+    """``step`` as an int, if it is a step number (>= 1: the first update is step 1)."""
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
+        raise ValueError(
+            f"steps are numbered from 1 (the first update is step 1), got {step!r}. In a loop "
+            "over i = 0, 1, ... ask for schedule.kind(i + 1), or ask the state: "
+            "ozo.step_kind(opt_state, schedule)."
+        )
+    return int(step)
 
 
 _WALK_LOCK = threading.Lock()  # StepSchedule.kind's walk is shared by the schedule's callers
@@ -244,13 +266,45 @@ def step_count(state: Any) -> int:
     return int(first_value(counter))
 
 
-def first_value(x: Any) -> Any:
-    """The first entry of an array this process can read (a replicated or per-worker counter),
-    without communication."""
+def check_hints(state: Any) -> None:
+    """Raises ``ValueError`` if ``state`` refused a hinted step (``step_kind=`` that was not the
+    kind its counters expected); does nothing otherwise. One small device read.
+
+    A refused step is not applied, and nothing else says so on the device: a loop that passes
+    ``step_kind`` itself (rather than through :func:`~optax_zero_one.dispatch_by_kind` or
+    ``DataParallel.jit(schedule=...)``, which check it) should call this now and then, e.g.
+    every few hundred steps and before a checkpoint.
+    """
+    problems = []
+    for cls, record in _graph.refusals(state):
+        refused, expected = (int(v) for v in first_values(record, 2))
+        if refused:
+            problems.append(
+                f"{cls.__name__} refused {refused} (its counters asked for "
+                f"{cls.BRANCHES[expected - 1]} at the last refusal)"
+            )
+    if problems:
+        raise ValueError(
+            "The optimizer state refused hinted steps: " + "; ".join(problems) + ". A refused "
+            "step is not applied. Pass the kind the state is due: "
+            "step_kind=ozo.step_kind(opt_state, schedule), or schedule.kind(k) for update k "
+            "(numbered from 1), with the schedule built from the optimizer's own arguments; or "
+            "let ozo.dispatch_by_kind run the loop."
+        )
+
+
+def first_values(x: Any, count: int) -> np.ndarray:
+    """The first ``count`` entries of an array this process can read (a replicated or
+    per-worker counter or record), without communication."""
     shards = getattr(x, "addressable_shards", None)
     if shards:
         x = shards[0].data
-    return np.asarray(x).reshape(-1)[0]
+    return np.asarray(x).reshape(-1)[:count]
+
+
+def first_value(x: Any) -> Any:
+    """The first entry of an array this process can read (:func:`first_values`)."""
+    return first_values(x, 1)[0]
 
 
 def step_kind(state: Any, schedule: StepSchedule) -> StepKind:

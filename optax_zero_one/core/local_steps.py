@@ -315,9 +315,7 @@ def local_step_sync(
 
     def update_fn(updates: Any, state: LocalStepSyncState, params: Any, **extra_args: Any) -> Any:
         params = _checked_params(updates, state, params)
-        _checks.axis_size(axes)
-        if num_workers is not None:
-            _checks.resolve_num_workers(axes, num_workers)
+        _checks.bound_workers(axes, num_workers, updates)
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "local_step_sync")
         hint = None if kind is None else branch_of(kind)
         run = lambda b, ok, o, extra: step(b, ok, *o, params, extra)  # noqa: E731

@@ -138,7 +138,7 @@ def scheduled_mean(
 
     def update_fn(updates: Any, state: ScheduledMeanState, params: Any, **extra_args: Any) -> Any:
         del params
-        _checks.axis_size(axes)
+        _checks.bound_workers(axes, None, updates)
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "scheduled_mean")
         hint = None if kind is None else branch_of(kind)
         return _graph.by_kind(

@@ -106,9 +106,7 @@ def flatten(
         return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: FlattenState, params: Any, **extra_args: Any) -> Any:
-        workers = _checks.axis_size(axes)
-        if num_workers is not None:
-            _checks.resolve_num_workers(axes, num_workers)
+        workers = _checks.bound_workers(axes, num_workers, updates)
         stored = find_layout(state.inner_state)
         if stored is not None:
             stored.check_tree(updates, "updates", "the optimizer state")

@@ -32,13 +32,22 @@ import numpy as np
 from optax_zero_one.integration import workers
 
 
+def _items(tree: Any) -> Any:
+    """The saved tree of a checkpoint's metadata: Orbax's ``Checkpointer.metadata(path)`` gives
+    a step's metadata whose ``item_metadata`` is the tree (its other fields are scalars such as
+    the save time); anything else as it is."""
+    items = getattr(tree, "item_metadata", None)
+    return tree if items is None else items
+
+
 def worker_count(tree: Any) -> int:
     """The number of workers of a tree in the worker layout: the common leading axis size.
 
     Args:
       tree: params and/or optimizer state with a leading worker axis on every leaf; the leaves
         may be arrays or anything with a ``shape`` (``jax.ShapeDtypeStruct``, Orbax's
-        ``ArrayMetadata`` from ``CheckpointManager.item_metadata(step)``).
+        ``ArrayMetadata`` from ``CheckpointManager.item_metadata(step)``); or Orbax's metadata
+        of a whole step (``StandardCheckpointer().metadata(path)``), read for its tree.
 
     Returns:
       The size of the leading axis, identical on every leaf.
@@ -51,7 +60,7 @@ def worker_count(tree: Any) -> int:
       4
     """
     counts: dict[int, str] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree)):
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
         where = jax.tree_util.keystr(path) or "(root)"
         if not shape:
@@ -93,7 +102,7 @@ def check_worker_count(tree: Any, num_workers: int) -> None:
       Traceback (most recent call last):
       ValueError: This state was saved by 4 workers, but this run has 2. ...
     """
-    if not jax.tree.leaves(tree):
+    if not jax.tree.leaves(_items(tree)):
         return
     saved = worker_count(tree)
     if saved != num_workers:

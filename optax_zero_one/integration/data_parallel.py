@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +37,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one.core import _graph
+from optax_zero_one.core import _checks, _graph
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
@@ -263,8 +264,16 @@ class DataParallel:
     def _on_workers(self, fn: Callable[..., Any], batched: bool) -> Callable[..., Any]:
         """:meth:`on_workers`, with ``batched`` as in :func:`~optax_zero_one.on_workers` (``fn``
         under ``jax.vmap`` over the block: params and state updated in place on CPU)."""
+        expected = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
+
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            # while tracing: the library's transforms refuse any axis but the data workers'
+            with _checks.expect_worker_axes(expected, "data_parallel"):
+                return fn(*args, **kwargs)
+
         return jax.shard_map(
-            distributed.worker_body(fn, batched),
+            distributed.worker_body(checked, batched),
             mesh=self.mesh,
             in_specs=P(self.data_axis),
             out_specs=P(self.data_axis),
@@ -321,10 +330,28 @@ class DataParallel:
                 step if kind is None else functools.partial(step, step_kind=kind), kind is not None
             )
 
+            # The shardings of params and state as the program is lowered for them: its outputs
+            # keep them. Left free, XLA may shard a replicated leaf's output over another axis
+            # (a bias over "model"), and the next step, given other shardings, compiles again.
+            kept: list[Any] = [None]
+
             def whole(params: Any, opt_state: Any, batch: Any) -> Any:
                 # the batch split into the workers' shares inside the program: one launch
                 shares = jax.lax.with_sharding_constraint(split(batch), by_worker)
-                return one(params, opt_state, shares)
+                new_params, new_state, aux = one(params, opt_state, shares)
+                if kept[0] is not None:
+                    values, treedef = jax.tree.flatten((new_params, new_state))
+                    values = [
+                        x if s is None else jax.lax.with_sharding_constraint(x, s)
+                        for x, s in zip(values, kept[0], strict=True)
+                    ]
+                    new_params, new_state = jax.tree.unflatten(treedef, values)
+                return new_params, new_state, aux
+
+            def keep(params: Any, opt_state: Any) -> None:
+                leaves = jax.tree.leaves((params, opt_state))
+                shardings = [getattr(x, "sharding", None) for x in leaves]
+                kept[0] = [s if isinstance(s, NamedSharding) else None for s in shardings]
 
             # with a kind, the dispatcher's counts come out of the same program: one launch
             body = whole if kind is None else dispatch.with_counts(whole, 1)
@@ -344,6 +371,7 @@ class DataParallel:
                         pass  # raised before running: other arguments, checked here
                 check(params, opt_state, batch)
                 if first[0] is None:
+                    keep(params, opt_state)
                     first[0] = mapped.lower(params, opt_state, batch).compile()
                     return first[0](params, opt_state, batch)
                 return mapped(params, opt_state, batch)  # jit compiles for the others
@@ -354,6 +382,7 @@ class DataParallel:
                     for x in jax.tree.leaves((params, opt_state, batch))
                 ):
                     check(params, opt_state, batch)
+                keep(params, opt_state)
                 return mapped.lower(params, opt_state, batch)
 
             program.lower = lower  # type: ignore[attr-defined]
@@ -361,6 +390,7 @@ class DataParallel:
 
         if schedule is None:
             return compile_kind(None)
+        _check_takes_step_kind(step)
         return dispatch.KindDispatcher(compile_kind, schedule, counts_in_program=True)
 
     def _check_batch(self, batch: Any) -> None:
@@ -500,6 +530,25 @@ def _place(x: Any, sharding: NamedSharding) -> jax.Array:
         return jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _check_takes_step_kind(step: Callable[..., Any]) -> None:
+    """Raises ``ValueError`` now, not at the first step, if ``step`` cannot take ``step_kind=``."""
+    try:
+        parameters = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): let the call tell
+        return
+    if not any(
+        p.kind == p.VAR_KEYWORD
+        or (p.name == "step_kind" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in parameters
+    ):
+        raise ValueError(
+            "dp.jit(step, schedule=...) calls step(params, opt_state, batch, step_kind=kind), "
+            "one program per kind, but step takes no step_kind argument. Add a keyword "
+            "step_kind=None to step and pass it on: tx.update(grads, opt_state, params, "
+            "step_kind=step_kind). Or leave schedule out to decide each step's kind in the graph."
+        )
 
 
 def _stack(tree: Any) -> Any:

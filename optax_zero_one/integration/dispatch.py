@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_zero_one.core import _graph, kinds
 from optax_zero_one.core.kinds import StepKind, StepSchedule
@@ -113,12 +114,28 @@ class _Precompiled:
         return self.program(*args)
 
 
+def _check_one_update_per_call(state: Any) -> None:
+    """Raises ``ValueError`` for a state whose optimizer is not updated at every call."""
+    if _graph.nodes_of(state, optax.MultiStepsState):
+        raise ValueError(
+            "The optimizer state holds an optax.MultiStepsState: with optax.MultiSteps the "
+            "optimizer takes a step once every k calls, while a schedule gives every call a step "
+            "kind of its own, so the kinds cannot follow the state. Accumulate the gradients of "
+            "the k micro-batches inside your step (e.g. a jax.lax.scan over them) and call "
+            "tx.update once, or run without a schedule (the step's kind decided in the graph)."
+        )
+
+
 def _shape_of(x: Any) -> Any:
     """``x``'s shape, dtype and (for a ``jax.Array``) sharding, as a ``ShapeDtypeStruct``."""
     if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
         return x
     if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+        # an array on one device is placed by the program as a host array is: no sharding to
+        # match (jax.pmap refuses to lower for a single-device sharding; it shards such inputs)
+        single = isinstance(x.sharding, jax.sharding.SingleDeviceSharding)
+        sharding = None if single else x.sharding
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 
@@ -434,6 +451,7 @@ class KindDispatcher:
                 return found[0], list(zip(self._layout[2], found[1:]))
         leaves, treedef = jax.tree.flatten(state)
         if self._layout is None or self._layout[0] != treedef:
+            _check_one_update_per_call(state)
             counter = _graph.step_counter(state)
             refused = _graph.refusals(state)
             at = {id(x): i for i, x in enumerate(leaves)}
