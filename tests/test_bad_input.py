@@ -273,20 +273,18 @@ def test_num_workers_differs_from_axis_size(name):
         jax.vmap(lambda g, s: tx.update(g, s, g), axis_name=AXIS)(ozo.replicate(PARAMS, N), state)
 
 
-@pytest.mark.parametrize("num_workers", [0, -1, 2.0, "4"])
-def test_num_workers_not_a_positive_int(num_workers):
+@pytest.mark.parametrize("num_workers", [0, -1, 2.0, "4", True])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_num_workers_not_a_positive_int_at_construction(name, num_workers):
     with pytest.raises(ValueError, match="num_workers must be a positive int"):
-        zero_one(num_workers=num_workers).init(PARAMS)
-
-
-def test_num_workers_true():
-    with pytest.raises(ValueError, match="num_workers must be a positive int"):
-        zero_one(num_workers=True).init(PARAMS)
+        OPTIMIZERS[name](num_workers=num_workers)  # checked once, before init
 
 
 def test_num_workers_without_axis_name():
     with pytest.raises(ValueError, match="needs an axis_name"):
-        ozo.zero_one_adam(0.1, num_workers=4).init(PARAMS)
+        ozo.zero_one_adam(0.1, num_workers=4)
+    with pytest.raises(ValueError, match=r"num_workers must be None or a pair \(nodes"):
+        ozo.onebit_adam(0.1, axis_name="node", fast_axis_name="local", num_workers=8)
 
 
 def test_state_for_another_worker_count_at_update():

@@ -215,8 +215,29 @@ def fast_size(axes: Axes, num_workers: Any = None) -> int:
         return int(num_workers[1])
 
 
-def _positive_int(value: Any) -> bool:
+def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_num_workers(axes: Axes, num_workers: Any) -> None:
+    """The form of ``num_workers`` for ``axes``: ``None``, a positive int (1 without an axis),
+    or for a ``(slow, fast)`` pair a pair of them (``ValueError`` otherwise)."""
+    if num_workers is None:
+        return
+    if isinstance(axes, tuple):
+        pair = isinstance(num_workers, tuple | list) and len(num_workers) == 2
+        if not pair or not all(positive_int(v) for v in num_workers):
+            raise ValueError(
+                f"With fast_axis_name, num_workers must be None or a pair (nodes, workers per "
+                f"node), e.g. (2, 4); got {num_workers!r}."
+            )
+    elif not positive_int(num_workers):
+        raise ValueError(f"num_workers must be a positive int or None, got {num_workers!r}.")
+    elif axes is None and num_workers != 1:
+        raise ValueError(
+            f"num_workers={num_workers} needs an axis_name to communicate over; with "
+            "axis_name=None there is one worker."
+        )
 
 
 def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
@@ -225,39 +246,21 @@ def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
     For a ``(slow, fast)`` pair ``num_workers`` is ``(nodes, workers per node)`` and the count
     is their product."""
     check_expected_axes(axis_name)
-    if isinstance(axis_name, tuple):
-        pair = (
-            isinstance(num_workers, tuple | list)
-            and len(num_workers) == 2
-            and all(_positive_int(v) for v in num_workers)
-        )
-        if num_workers is not None and not pair:
-            raise ValueError(
-                f"With fast_axis_name, num_workers must be None or a pair (nodes, workers per "
-                f"node), e.g. (2, 4); got {num_workers!r}."
-            )
-        if pair:
-            num_workers = tuple(int(v) for v in num_workers)
-            for name, count in zip(axis_name, num_workers):
-                try:
-                    bound = jax.lax.axis_size(name)
-                except NameError:
-                    continue
-                if bound != count:
-                    raise ValueError(
-                        f"num_workers={num_workers} but axis {name!r} has {bound} workers; "
-                        "they must agree (or leave num_workers=None)."
-                    )
-            return num_workers[0] * num_workers[1]
-        num_workers = None
-    elif num_workers is not None and not _positive_int(num_workers):
-        raise ValueError(f"num_workers must be a positive int or None, got {num_workers!r}.")
+    check_num_workers(axis_name, num_workers)
+    if isinstance(axis_name, tuple) and num_workers is not None:
+        num_workers = tuple(int(v) for v in num_workers)
+        for name, count in zip(axis_name, num_workers, strict=True):
+            try:
+                bound = jax.lax.axis_size(name)
+            except NameError:
+                continue
+            if bound != count:
+                raise ValueError(
+                    f"num_workers={num_workers} but axis {name!r} has {bound} workers; "
+                    "they must agree (or leave num_workers=None)."
+                )
+        return num_workers[0] * num_workers[1]
     if axis_name is None:
-        if num_workers not in (None, 1):
-            raise ValueError(
-                f"num_workers={num_workers} needs an axis_name to communicate over; with "
-                "axis_name=None there is one worker."
-            )
         return 1
     try:
         bound = jax.lax.axis_size(axis_name)

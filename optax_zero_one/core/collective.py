@@ -23,9 +23,8 @@ import optax
 from jax import lax
 
 from optax_zero_one.core import _checks, _graph, compression, flat, psum_mean
+from optax_zero_one.core.comm import Comm, check_collective, check_hierarchy
 from optax_zero_one.core.flat import FlatTree, Layout
-
-COLLECTIVES = ("two_phase", "psum")
 
 
 class OnebitMeanState(NamedTuple):
@@ -49,26 +48,9 @@ class OnebitMeanState(NamedTuple):
         return fresh
 
 
-def check_collective(collective: str) -> None:
-    """Raises ``ValueError`` unless ``collective`` names a backend of the compressed mean."""
-    if collective not in COLLECTIVES:
-        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}.")
-
-
 def _server_width(layout: Layout, collective: str) -> int:
     """Entries of the server error: the buffer width, or none for the psum backend."""
     return 0 if collective == "psum" else layout.width
-
-
-def check_hierarchy(fast_axis_name: str | None, collective: str) -> None:
-    """Raises ``ValueError`` if ``collective`` cannot run under a fast axis (only the two-phase
-    backend has a hierarchical form)."""
-    if fast_axis_name is not None and collective != "two_phase":
-        raise ValueError(
-            f"fast_axis_name={fast_axis_name!r} works with collective='two_phase' only, got "
-            f"collective={collective!r}. Use the default collective, or drop fast_axis_name to "
-            "compress over every worker."
-        )
 
 
 def init_errors(
@@ -93,16 +75,14 @@ def init_errors(
     return OnebitMeanState(flat.zeros(layout, dtype), jnp.zeros((server,), dtype))
 
 
-def init_state(
-    params: Any, axes: _checks.Axes, num_workers: Any, collective: str
-) -> OnebitMeanState:
+def init_state(params: Any, comm: Comm) -> OnebitMeanState:
     """The zero error buffers for ``params`` (a tree or a flat buffer) on the workers of
-    ``axes``, as a transform's ``init`` makes them."""
-    workers = _checks.workers_for(params, axes, num_workers)
+    ``comm``, as a transform's ``init`` makes them."""
+    workers = comm.init_workers(params)
     if _checks.is_placeholder(params):  # no parameters: the state's structure only
         return OnebitMeanState(jnp.zeros((0,)), jnp.zeros((0,)))
-    fast = _checks.fast_size(axes, num_workers)
-    return init_errors(flat.layout_of(params, workers), collective, fast=fast)
+    fast = _checks.fast_size(comm.axes, comm.num_workers)
+    return init_errors(flat.layout_of(params, workers), comm.collective, fast=fast)
 
 
 def _check_errors(layout: Layout, errors: OnebitMeanState, collective: str, fast: int) -> None:
@@ -402,25 +382,30 @@ def onebit_mean(
     References:
       Tang et al., 1-bit Adam, arXiv:2102.02888; Lu et al., 0/1 Adam, arXiv:2202.06009.
     """
-    axes = _checks.worker_axes(axis_name, fast_axis_name)
-    check_collective(collective)
-    check_hierarchy(fast_axis_name, collective)
+    comm = Comm.of(axis_name, fast_axis_name, num_workers, collective, mask)
+    return onebit_mean_over(comm)
+
+
+def onebit_mean_over(comm: Comm) -> optax.GradientTransformationExtraArgs:
+    """:func:`onebit_mean` for a checked :class:`~optax_zero_one.core.comm.Comm` (what the
+    compositions pass down)."""
 
     def init_fn(params: optax.Params) -> OnebitMeanState:
         _checks.check_float_leaves(params, "onebit_mean input")
-        _checks.check_mask(mask, params.shapes() if isinstance(params, FlatTree) else params)
-        state = init_state(params, axes, num_workers, collective)
-        return _graph.worker_state(state, axes)
+        comm.check_mask(params)
+        return _graph.worker_state(init_state(params, comm), comm.axes)
 
     def update_fn(updates: Any, state: OnebitMeanState, params: Any, **extra_args: Any) -> Any:
         del params, extra_args
-        workers = _checks.bound_workers(axes, num_workers, updates)
+        workers = comm.update_workers(updates)
         _checks.check_float_leaves(updates, "the compressed mean's input")
         stored = flat.find_layout(state)
         if stored is not None and not isinstance(updates, FlatTree):
             stored.check_tree(updates, "updates", "the compression state")
         values, in_form = flat.as_flat(updates, workers)
-        mean, state, _ = masked_compressed_mean(values, state, axes, collective, mask)
+        mean, state, _ = masked_compressed_mean(
+            values, state, comm.axes, comm.collective, comm.mask
+        )
         return in_form(mean), state
 
     return _checks.transformation(init_fn, update_fn, OnebitMeanState, "onebit_mean")

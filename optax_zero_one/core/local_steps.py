@@ -26,6 +26,8 @@ import optax
 
 from optax_zero_one.core import _checks, _graph, flat, kinds, policies
 from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
+from optax_zero_one.core import comm as comm_lib
+from optax_zero_one.core.comm import Comm
 from optax_zero_one.core.flat import FlatTree
 from optax_zero_one.core.kinds import StepKind
 
@@ -96,7 +98,7 @@ class LocalStepSyncState(NamedTuple):
 PASS, LOCAL, SYNC = range(3)
 
 # How a sync averages: the two 1-bit backends of the compressed mean, or an exact float mean.
-SYNC_COLLECTIVES = (*collective_lib.COLLECTIVES, "float")
+SYNC_COLLECTIVES = comm_lib.SYNC_COLLECTIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,15 +259,32 @@ def local_step_sync(
       Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1); Lin et al., Don't Use Large
       Mini-Batches, Use Local SGD, arXiv:1808.07217.
     """
-    axes = _checks.worker_axes(axis_name, fast_axis_name)
-    _checks.check_int("start_step", start_step, 0)
     if collective not in SYNC_COLLECTIVES:
         raise ValueError(
             f"local_step_sync's collective must be one of {SYNC_COLLECTIVES}, got {collective!r}."
         )
-    exact = collective == "float"
-    if not exact:
-        collective_lib.check_hierarchy(fast_axis_name, collective)
+    comm = Comm.of(
+        axis_name, fast_axis_name, num_workers, collective, mask, collectives=SYNC_COLLECTIVES
+    )
+    return local_step_sync_over(
+        inner, local_step_policy, comm, start_step=start_step, rule=rule, outer=outer
+    )
+
+
+def local_step_sync_over(
+    inner: optax.GradientTransformation,
+    local_step_policy: policies.LocalStepPolicy,
+    comm: Comm,
+    *,
+    start_step: int = 0,
+    rule: Any = None,
+    outer: optax.GradientTransformation | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`local_step_sync` for a checked :class:`~optax_zero_one.core.comm.Comm` (its
+    ``collective`` one of :data:`SYNC_COLLECTIVES`)."""
+    axes = comm.axes
+    _checks.check_int("start_step", start_step, 0)
+    exact = comm.exact
     rule = rule or ParamsAverage()
     inner = optax.with_extra_args_support(inner)
     outer = _checks.check_transformation("outer", outer)
@@ -277,15 +296,14 @@ def local_step_sync(
 
     def init_fn(params: optax.Params) -> LocalStepSyncState:
         _checks.check_float_leaves(params, "params")
-        is_flat = isinstance(params, FlatTree)
-        _checks.check_mask(mask, params.shapes() if is_flat else params)
-        _checks.workers_for(params, axes, num_workers)
+        comm.check_mask(params)
+        comm.init_workers(params)
         inner_state = inner.init(params)
         borrowed = rule.errors(inner_state, start_step)
         own = (
             optax.EmptyState()
             if borrowed is not None or exact
-            else collective_lib.init_state(params, axes, num_workers, collective)
+            else collective_lib.init_state(params, comm)
         )
         anchor = jax.tree.map(
             lambda p: jnp.array(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
@@ -315,7 +333,7 @@ def local_step_sync(
 
     def update_fn(updates: Any, state: LocalStepSyncState, params: Any, **extra_args: Any) -> Any:
         params = _checked_params(updates, state, params)
-        _checks.bound_workers(axes, num_workers, updates)
+        comm.update_workers(updates)
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "local_step_sync")
         hint = None if kind is None else branch_of(kind)
         run = lambda b, ok, o, extra: step(b, ok, *o, params, extra)  # noqa: E731
@@ -396,11 +414,11 @@ def local_step_sync(
         if exact:  # no error feedback: the (borrowed) buffers are left as they are
             mean = collective_lib.float_mean(values, axes)
             mean = FlatTree(mean.buffer.astype(values.buffer.dtype), mean.layout)
-            masked = collective_lib.flat_mask(mask, values.layout, values.buffer.dtype)
+            masked = collective_lib.flat_mask(comm.mask, values.layout, values.buffer.dtype)
             mean = collective_lib.apply_mask(masked, mean)
             return in_form(mean), errors, _graph.all_finite(mean.buffer)
         mean, errors, ok = collective_lib.masked_compressed_mean(
-            values, errors, axes, collective, mask
+            values, errors, axes, comm.collective, comm.mask
         )
         return in_form(mean), errors, ok
 

@@ -19,9 +19,10 @@ import optax
 
 from optax_zero_one.core import _checks, policies
 from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
+from optax_zero_one.core.comm import Comm
 from optax_zero_one.core.frozen_variance import scale_by_frozen_variance_adam
-from optax_zero_one.core.scheduled_mean import scheduled_mean
-from optax_zero_one.core.wrappers import decayed_weights, flatten, skip_not_finite
+from optax_zero_one.core.scheduled_mean import scheduled_mean_over
+from optax_zero_one.core.wrappers import decayed_weights, flatten_over, skip_not_finite
 
 
 def scale_by_onebit_adam(
@@ -85,23 +86,21 @@ def scale_by_onebit_adam(
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
     if learning_rate is not None:
         _checks.check_learning_rate(learning_rate)
-    worker_axes = _checks.worker_axes(axis_name, fast_axis_name)
-    collective_lib.check_collective(collective)
-    collective_lib.check_hierarchy(fast_axis_name, collective)
+    # the workers and the backend, checked once and shared by every block
+    comm = Comm.of(axis_name, fast_axis_name, num_workers, collective, mask)
     warmup = policies.FullPrecisionWarmup(freeze_step)
-    axes = dict(num_workers=num_workers, fast_axis_name=fast_axis_name)
-    momentum = collective_lib.onebit_mean(axis_name, collective=collective, mask=mask, **axes)
+    momentum = collective_lib.onebit_mean_over(comm)
     steps = [
-        scheduled_mean(axis_name, warmup, compressed_steps=False, **axes),
+        scheduled_mean_over(comm, warmup, compressed_steps=False),
         scale_by_frozen_variance_adam(
-            b1, b2, eps, warmup, momentum_mean=momentum, axis_name=worker_axes
+            b1, b2, eps, warmup, momentum_mean=momentum, axis_name=comm.axes
         ),
     ]
     steps.append(decayed_weights(weight_decay, "onebit_adam"))
     if learning_rate is not None:
         steps.append(optax.scale_by_learning_rate(learning_rate))
     guarded = skip_not_finite(optax.chain(*steps))
-    return flatten(guarded, axis_name=axis_name, **axes)
+    return flatten_over(guarded, comm)
 
 
 def onebit_adam(

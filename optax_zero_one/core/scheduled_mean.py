@@ -17,7 +17,7 @@ import optax
 
 from optax_zero_one.core import _checks, _graph, flat, kinds, policies
 from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
-from optax_zero_one.core.flat import FlatTree
+from optax_zero_one.core.comm import Comm
 from optax_zero_one.core.kinds import StepKind
 
 
@@ -98,20 +98,22 @@ def scheduled_mean(
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1).
     """
-    axes = _checks.worker_axes(axis_name, fast_axis_name)
-    collective_lib.check_collective(collective)
-    collective_lib.check_hierarchy(fast_axis_name, collective)
+    comm = Comm.of(axis_name, fast_axis_name, num_workers, collective, mask)
+    return scheduled_mean_over(comm, variance_policy, compressed_steps=compressed_steps)
+
+
+def scheduled_mean_over(
+    comm: Comm, variance_policy: policies.VariancePolicy, *, compressed_steps: bool = True
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`scheduled_mean` for a checked :class:`~optax_zero_one.core.comm.Comm`."""
+    axes = comm.axes
     freeze = variance_policy.freeze_step
 
     def init_fn(params: optax.Params) -> ScheduledMeanState:
         _checks.check_float_leaves(params, "params")
-        _checks.workers_for(params, axes, num_workers)
-        _checks.check_mask(mask, params.shapes() if isinstance(params, FlatTree) else params)
-        errors = (
-            collective_lib.init_state(params, axes, num_workers, collective)
-            if compressed_steps
-            else optax.EmptyState()
-        )
+        comm.init_workers(params)
+        comm.check_mask(params)
+        errors = collective_lib.init_state(params, comm) if compressed_steps else optax.EmptyState()
         state = ScheduledMeanState(
             jnp.zeros([], jnp.int32),
             _checks.as_int32_state(variance_policy.init()),
@@ -138,7 +140,7 @@ def scheduled_mean(
 
     def update_fn(updates: Any, state: ScheduledMeanState, params: Any, **extra_args: Any) -> Any:
         del params
-        _checks.bound_workers(axes, None, updates)
+        comm.update_workers(updates)
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "scheduled_mean")
         hint = None if kind is None else branch_of(kind)
         return _graph.by_kind(
@@ -156,7 +158,7 @@ def scheduled_mean(
         elif branch == COMPRESS and compressed_steps:
             values, in_form = flat.as_flat(updates, _checks.axis_size(axes))
             mean, new_errors, _ = collective_lib.masked_compressed_mean(
-                values, errors, axes, collective, mask
+                values, errors, axes, comm.collective, comm.mask
             )
             errors = _graph.keep_if(ok, new_errors, errors)
             updates = in_form(mean)

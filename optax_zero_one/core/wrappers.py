@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from optax_zero_one.core import _checks, _cut, _graph
+from optax_zero_one.core.comm import Comm
 from optax_zero_one.core.flat import (
     FlatTree,
     Layout,
@@ -91,13 +92,20 @@ def flatten(
     References:
       ``optax.flatten`` is the precedent (a single flat vector, no layout).
     """
-    axes = _checks.worker_axes(axis_name, fast_axis_name)
+    comm = Comm.of(axis_name, fast_axis_name=fast_axis_name, num_workers=num_workers)
+    return flatten_over(inner, comm)
 
+
+def flatten_over(
+    inner: optax.GradientTransformation, comm: Comm
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`flatten` for the workers of a checked :class:`~optax_zero_one.core.comm.Comm`."""
+    axes = comm.axes
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> FlattenState:
         _checks.check_float_leaves(params, "params")
-        workers = _checks.workers_for(params, axes, num_workers)
+        workers = comm.init_workers(params)
         layout = Layout.of(params, workers)
         inner_state = inner.init(to_flat(params, layout))
         if _checks.is_placeholder(params):
@@ -106,7 +114,7 @@ def flatten(
         return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: FlattenState, params: Any, **extra_args: Any) -> Any:
-        workers = _checks.bound_workers(axes, num_workers, updates)
+        workers = comm.update_workers(updates)
         stored = find_layout(state.inner_state)
         if stored is not None:
             stored.check_tree(updates, "updates", "the optimizer state")

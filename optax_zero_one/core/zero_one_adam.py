@@ -26,13 +26,13 @@ import optax
 
 from optax_zero_one.core import _checks, _graph, local_steps, policies
 from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
+from optax_zero_one.core.comm import Comm
 from optax_zero_one.core.frozen_variance import (
     FrozenVarianceAdamState,
     scale_by_frozen_variance_adam,
 )
-from optax_zero_one.core.local_steps import local_step_sync
-from optax_zero_one.core.scheduled_mean import ScheduledMeanState, scheduled_mean
-from optax_zero_one.core.wrappers import decayed_weights, flatten
+from optax_zero_one.core.scheduled_mean import ScheduledMeanState, scheduled_mean_over
+from optax_zero_one.core.wrappers import decayed_weights, flatten_over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,31 +155,24 @@ def scale_by_zero_one_adam(
     """
     _checks.check_learning_rate(learning_rate)
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
-    worker_axes = _checks.worker_axes(axis_name, fast_axis_name)
-    collective_lib.check_collective(collective)
-    collective_lib.check_hierarchy(fast_axis_name, collective)
+    # the workers and the backend, checked once and shared by every block
+    comm = Comm.of(axis_name, fast_axis_name, num_workers, collective, mask)
     variance_policy = variance_policy or policies.VarianceDoubling()
     local_step_policy = local_step_policy or policies.LocalStepDoubling()
-    shared = dict(
-        num_workers=num_workers, collective=collective, mask=mask, fast_axis_name=fast_axis_name
-    )
     steps = [
-        scheduled_mean(axis_name, variance_policy, **shared),
-        scale_by_frozen_variance_adam(b1, b2, eps, variance_policy, axis_name=worker_axes),
+        scheduled_mean_over(comm, variance_policy),
+        scale_by_frozen_variance_adam(b1, b2, eps, variance_policy, axis_name=comm.axes),
     ]
     steps.append(decayed_weights(weight_decay, "zero_one_adam"))
     steps.append(optax.scale_by_learning_rate(learning_rate))
-    synced = local_step_sync(
+    synced = local_steps.local_step_sync_over(
         optax.chain(*steps),
         local_step_policy,
-        axis_name,
+        comm,
         start_step=variance_policy.freeze_step,
         rule=FrozenAdamSync(learning_rate, eps, variance_policy),
-        **shared,
     )
-    return flatten(
-        synced, axis_name=axis_name, num_workers=num_workers, fast_axis_name=fast_axis_name
-    )
+    return flatten_over(synced, comm)
 
 
 def zero_one_adam(
