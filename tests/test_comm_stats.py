@@ -64,3 +64,38 @@ def test_a_text_it_cannot_follow_is_an_error():
     with pytest.raises(RuntimeError, match="HLO text format seems to have changed"):
         cs.parse_hlo(mangled)
     np.testing.assert_equal(len(cs.parse_hlo("").collectives), 0)
+
+
+@pytest.mark.parametrize(
+    "attrs,groups",
+    [
+        # a group of 2 over the second dimension: 4 groups, consecutive devices
+        (
+            "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, dimensions={1}",
+            [(0, 1), (2, 3), (4, 5), (6, 7)],
+        ),
+        # over the first: strided
+        (
+            "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}",
+            [(0, 2, 4, 6), (1, 3, 5, 7)],
+        ),
+        # a size-1 dimension, and both dimensions: one group of all 8
+        (
+            "replica_groups=mesh['axis_0'=4,'axis_1'=2,'axis_2'=1] {'axis_1'}",
+            [(0, 1), (2, 3), (4, 5), (6, 7)],
+        ),
+        ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", [tuple(range(8))]),
+    ],
+)
+def test_the_mesh_form_of_replica_groups(attrs, groups):
+    """XLA writes some groups over a mesh's named dimensions; read as 'every device' they made a
+    local step on a (data, model) mesh seem to send over the data axis (a new-user trial)."""
+    assert cs._groups(attrs) == tuple(groups)
+    assert cs._group_size(attrs, default=8) == len(groups[0])
+
+
+def test_a_step_dispatched_by_kind_is_refused_with_the_fix():
+    tx = ozo.zero_one_adam(1e-2, axis_name="w", var_freeze_step=4)
+    step = ozo.dispatch_by_kind(lambda kind: None, ozo.zero_one_schedule(var_freeze_step=4))
+    with pytest.raises(ValueError, match=r"one per kind .*functools.partial\(step, step_kind=kind"):
+        ozo.comm_stats(step, jnp.zeros((N, 3)), tx)

@@ -350,6 +350,13 @@ def test_bad_input_is_refused_with_the_fix():
     )
     with pytest.raises(ValueError, match="no data axis 'batch'.*data_axis="):
         ozo.data_parallel(mesh, params, data_axis="batch")
+    with pytest.raises(ValueError, match=r"not \['gpu'\] of data_axis=\('data', 'gpu'\)"):
+        ozo.data_parallel(mesh, params, data_axis=("data", "gpu"))
+    with pytest.raises(ValueError, match=r"a tuple \(slow, fast\) of two"):
+        ozo.data_parallel(mesh, params, data_axis=["data", "model"])
+    for bad in (("data", "data"), ("data", "model", "data")):
+        with pytest.raises(ValueError, match="one mesh axis, or on a pair of two different axes"):
+            ozo.data_parallel(mesh, params, data_axis=bad)
     explicit = jax.make_mesh((N, 2), ("data", "model"))
     with pytest.raises(ValueError, match="not Auto"):
         ozo.data_parallel(explicit, host_params())
@@ -405,6 +412,43 @@ def test_an_optimizer_built_for_another_axis_is_refused(axis_name):
     one_d = ozo.data_parallel(mesh_of(1), host_params())  # no model sharding: tx unwrapped
     with pytest.raises(ValueError, match=problem):
         one_d.init(one_d.optimizer(wrong), one_d.to_workers(host_params()))
+
+
+def test_a_whole_tree_transform_goes_outside_dp_optimizer():
+    """dp.optimizer runs its transform on each model shard: a transform that reads the whole
+    tree (clip_by_global_norm, Muon) would see one shard. Chained outside it, XLA computes the
+    norm over the shards, and the 2-D run follows the 1-D one (docs/jit.md)."""
+
+    def run(model, clip_inside):
+        mesh = mesh_of(model)
+        spec = (lambda k: SPECS[k]) if model > 1 else (lambda k: P())
+        params = {
+            k: jax.device_put(x, NamedSharding(mesh, spec(k))) for k, x in host_params().items()
+        }
+        dp = ozo.data_parallel(mesh, params)
+        clip = optax.clip_by_global_norm(0.05)
+        if clip_inside:
+            tx = dp.optimizer(optax.chain(clip, make_tx()))
+        else:
+            tx = optax.chain(clip, dp.optimizer(make_tx()))
+
+        def step(p, s, x):
+            loss, g = jax.value_and_grad(loss_fn)(p, x)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        p = dp.to_workers(params)
+        s = dp.init(tx, p)
+        train = dp.jit(step)
+        for x in batches(2):  # two variance steps: exact means (1-bit scales are per shard)
+            p, s, _ = train(p, s, x)
+        return {k: np.asarray(v) for k, v in dp.synchronized_params(p, s).items()}
+
+    one_d = run(1, clip_inside=False)
+    outside, inside = run(2, clip_inside=False), run(2, clip_inside=True)
+    for k in one_d:
+        np.testing.assert_allclose(outside[k], one_d[k], atol=1e-6)
+    assert max(np.max(np.abs(inside[k] - one_d[k])) for k in one_d) > 1e-3  # per-shard norms
 
 
 def test_two_d_precompiled_programs_keep_every_sharding():

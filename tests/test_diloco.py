@@ -266,6 +266,33 @@ def test_bad_arguments_are_refused_at_construction():
         ozo.diloco(optax.adamw(1e-3), optax.sgd(1.0), 0, AXIS)
     with pytest.raises(ValueError, match=r"collective must be one of .*'float'"):
         ozo.diloco(optax.adamw(1e-3), optax.sgd(1.0), 50, AXIS, collective="bf16")
+    with pytest.raises(TypeError, match="inner optax transformation, got None"):
+        ozo.diloco(None, optax.sgd(1.0), 50, AXIS)
+    with pytest.raises(ValueError, match=r"local_step_policy must be a policy.*ozo.SyncEvery"):
+        ozo.local_step_sync(optax.sgd(0.1), 4, AXIS)
+
+
+def test_a_wrong_schedule_names_diloco_s_own():
+    """The dispatcher's error for a schedule that is not the optimizer's names DiLoCo's
+    schedule too (it named 0/1 Adam's alone)."""
+    tx = ozo.diloco(optax.adamw(1e-3), optax.sgd(1.0), 5, AXIS)
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(
+            jax.vmap(
+                lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
+                    *tx.update(g, s, p, step_kind=kind)
+                ),
+                axis_name=AXIS,
+            )
+        ),
+        ozo.diloco_schedule(3),  # not sync_every=5
+    )
+    params = {"w": jnp.zeros((2, 4))}
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    with pytest.raises(ValueError, match=r"ozo.diloco_schedule\(sync_every, start_step\)"):
+        for _ in range(12):
+            params, state = run(params, state, {"w": jnp.ones((2, 4))})
+        run.settle()
 
 
 def test_float_sync_over_a_fast_axis_matches_the_flat_float_sync():

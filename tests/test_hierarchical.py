@@ -285,6 +285,16 @@ def test_bad_axes_and_settings_are_refused_at_construction():
         ozo.zero_one_adam(1e-3, axis_name="node", fast_axis_name="local").init({"w": jnp.zeros(3)})
 
 
+@pytest.mark.parametrize("axes", [dict(axis_name="node"), dict(axis_name="local"), {}])
+def test_on_workers_refuses_an_optimizer_built_for_other_axes(axes):
+    """Workers on ("node", "local") and an optimizer over "node" alone ran without an error
+    from JAX, and the workers of a node never averaged (a new-user trial)."""
+    with pytest.raises(
+        ValueError, match=r"on_workers runs its data workers on \('node', 'local'\)"
+    ):
+        train(make_tx(**axes), mesh_of(2, 4), AXES, steps=1)
+
+
 def test_a_state_for_another_split_is_refused():
     tree = [jnp.zeros((8, 16))]
     tx = ozo.onebit_mean("node", fast_axis_name="local")
@@ -383,3 +393,37 @@ def test_resume_is_exact_and_a_checkpoint_moves_to_another_split():
 def _step(tx, p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
+
+
+def test_data_parallel_with_one_node_trains():
+    """One node: nothing is compressed, so the error buffers are zero-size, which XLA hands back
+    replicated; the layout check took them for a state not in the worker layout."""
+    from support.jobs import data_parallel_worker as job
+
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh((1, 4, 2), ("node", "local", "model"), axis_types=auto)
+    params = {
+        k: jax.device_put(x, NamedSharding(mesh, job.SPECS[k]))
+        for k, x in job.host_params().items()
+    }
+    dp = ozo.data_parallel(mesh, params, data_axis=("node", "local"))
+    policies = dict(
+        var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2
+    )
+    tx = dp.optimizer(ozo.zero_one_adam(1e-2, axis_name="node", fast_axis_name="local", **policies))
+
+    def step(p, s, x, step_kind=None):
+        loss, g = jax.value_and_grad(job.loss_fn)(p, x)
+        u, s = tx.update(g, s, p, step_kind=step_kind)
+        return optax.apply_updates(p, u), s, loss
+
+    params_w = dp.to_workers(params)
+    state = dp.init(tx, params_w)
+    assert any(0 in x.shape for x in jax.tree.leaves(state))  # the case: zero-size buffers
+    train = dp.jit(step, schedule=ozo.zero_one_schedule(**policies))
+    losses = []
+    for x in job.batches(14):  # every kind
+        params_w, state, loss = train(params_w, state, x)
+        losses.append(float(np.asarray(loss).mean()))
+    train.settle()
+    assert np.all(np.isfinite(losses)) and np.mean(losses[-4:]) < 0.7 * losses[0]

@@ -406,6 +406,16 @@ def check_state_type(state: Any, expected: type, optimizer: str) -> None:
         )
 
 
+def check_policy(name: str, policy: Any, method: str, example: str) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``policy`` has ``init``, ``next`` and
+    ``method`` (a policy of :mod:`~optax_zero_one.core.policies`, or one written alike)."""
+    if not all(callable(getattr(policy, m, None)) for m in ("init", "next", method)):
+        raise ValueError(
+            f"{name} must be a policy object with init(), {method}(state, k) and next(state, k), "
+            f"e.g. {example}; got {policy!r}."
+        )
+
+
 def check_transformation(name: str, tx: Any) -> Any:
     """``tx`` (``None`` stays ``None``) with extra-args support, or a ``TypeError`` naming
     ``name`` if it is not an optax transformation."""

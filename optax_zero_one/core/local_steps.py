@@ -263,6 +263,14 @@ def local_step_sync(
         raise ValueError(
             f"local_step_sync's collective must be one of {SYNC_COLLECTIVES}, got {collective!r}."
         )
+    if _checks.check_transformation("inner", inner) is None:
+        raise TypeError("local_step_sync needs an inner optax transformation, got None.")
+    _checks.check_policy(
+        "local_step_policy",
+        local_step_policy,
+        "is_sync_step",
+        "ozo.SyncEvery(50) or ozo.LocalStepDoubling(scaler, clipper)",
+    )
     comm = Comm.of(
         axis_name, fast_axis_name, num_workers, collective, mask, collectives=SYNC_COLLECTIVES
     )

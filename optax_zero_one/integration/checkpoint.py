@@ -136,7 +136,10 @@ def reset_compression(
         m          <- mean_i m_i   equal on all workers, except during local steps
         e_w, e_s   <- 0            fresh error buffers, shaped as in ``fresh_state``
         the rest   <- worker 0's   counters, v, other transforms' states: equal on all workers
-                                   (per-worker diagnostics, e.g. dropped_local_grads: worker 0's)
+                                   (per-worker diagnostics, e.g. dropped_local_grads: worker 0's),
+                                   except the inner state of a local_step_sync around a plain
+                                   optax optimizer (DiLoCo's AdamW moments), which is each
+                                   worker's own: worker 0's is kept, not the mean
 
     Flat buffers are re-laid out for ``M`` workers. Counters and schedules carry on where they
     were. The continuation is not bit-identical to any uninterrupted run: the residuals the old

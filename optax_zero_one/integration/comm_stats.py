@@ -35,6 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from optax_zero_one.integration import dispatch
+
 _KINDS = (
     "all-reduce",
     "all-gather",
@@ -224,13 +226,33 @@ def _groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
     if explicit:
         found = re.findall(r"\{([\d,\s]+)\}", explicit.group(1))
         return tuple(tuple(int(i) for i in g.split(",")) for g in found) or None
-    return None
+    return _mesh_groups(attrs)
+
+
+def _mesh_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
+    """The groups of the mesh form, ``replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}``:
+    the devices numbered row-major over the named dimensions, one group per position on the
+    dimensions not listed, running over those listed (here 4 groups of 2)."""
+    form = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if not form:
+        return None
+    dims = re.findall(r"'([^']+)'=(\d+)", form.group(1))
+    inside = set(re.findall(r"'([^']+)'", form.group(2)))
+    sizes = [int(size) for _, size in dims]
+    keep = [i for i, (name, _) in enumerate(dims) if name in inside]
+    rest = [i for i, (name, _) in enumerate(dims) if name not in inside]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(rest + keep)
+    size = int(np.prod([sizes[i] for i in keep]))
+    return tuple(tuple(int(i) for i in g) for g in ids.reshape(-1, size))
 
 
 def _group_size(attrs: str, default: int) -> int:
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
     if iota:
         return int(iota.group(2))
+    groups = _mesh_groups(attrs)
+    if groups:
+        return len(groups[0])
     explicit = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attrs)
     if explicit and explicit.group(1).strip():
         return len(explicit.group(1).split(","))
@@ -372,5 +394,13 @@ def comm_stats(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommStats:
       >>> stats.count("all-reduce"), stats.sent_bytes_per_device
       (1, 4096.0)
     """
+    if isinstance(fn, dispatch.KindDispatcher):
+        names = ", ".join(repr(k.name) for k in fn.schedule.kinds)
+        raise ValueError(
+            "comm_stats reports one compiled program, and a step dispatched by kind runs one "
+            f"per kind ({names}). Pass the program of one kind, e.g. "
+            "ozo.comm_stats(dp.jit(functools.partial(step, step_kind=kind)), *args) with kind "
+            "from schedule.kinds (or your compile_kind(kind) for ozo.dispatch_by_kind)."
+        )
     lowered = jax.jit(fn).lower(*args, **kwargs)
     return parse_hlo(lowered.compile().as_text())

@@ -37,7 +37,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one.core import _checks, _graph
+from optax_zero_one.core import _graph
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
@@ -163,7 +163,9 @@ class DataParallel:
                 x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else None
             )
             ok = len(shape) >= 1 and shape[0] == self.num_workers
-            if not isinstance(x, jax.core.Tracer):  # traced (e.g. comm_stats): shapes only
+            # traced (e.g. comm_stats): shapes only; zero-size (the error buffers of one node):
+            # nothing to place, and XLA gives such outputs a replicated sharding
+            if not isinstance(x, jax.core.Tracer) and math.prod(shape) > 0:
                 # a spec drops axes of size 1: on a mesh of one device it is P()
                 lead = _names(spec[0] or ()) if spec else ()
                 ok = ok and spec is not None and self._sized(lead) == self._sized(self.data_axes)
@@ -264,16 +266,8 @@ class DataParallel:
     def _on_workers(self, fn: Callable[..., Any], batched: bool) -> Callable[..., Any]:
         """:meth:`on_workers`, with ``batched`` as in :func:`~optax_zero_one.on_workers` (``fn``
         under ``jax.vmap`` over the block: params and state updated in place on CPU)."""
-        expected = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
-
-        @functools.wraps(fn)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            # while tracing: the library's transforms refuse any axis but the data workers'
-            with _checks.expect_worker_axes(expected, "data_parallel"):
-                return fn(*args, **kwargs)
-
         return jax.shard_map(
-            distributed.worker_body(checked, batched),
+            distributed.worker_body(fn, batched, self.data_axes, "data_parallel"),
             mesh=self.mesh,
             in_specs=P(self.data_axis),
             out_specs=P(self.data_axis),
@@ -470,8 +464,28 @@ def data_parallel(
       >>> loss.shape  # one per worker
       (2,)
     """
-    names = _names(data_axis) if isinstance(data_axis, str | tuple) else ()
-    if not names or not set(names) <= set(mesh.axis_names) or len(set(names)) != len(names):
+    if not isinstance(data_axis, str | tuple) or not all(
+        isinstance(a, str) for a in _names(data_axis)
+    ):
+        raise ValueError(
+            f"data_axis must be the name of a mesh axis, or a tuple (slow, fast) of two, e.g. "
+            f"('node', 'local'); got {data_axis!r}."
+        )
+    names = _names(data_axis)
+    if len(names) > 2 or len(set(names)) != len(names):
+        raise ValueError(
+            f"data_axis={data_axis!r}: the data workers are on one mesh axis, or on a pair of "
+            "two different axes (slow, fast) for hierarchical compression (the optimizer "
+            "built with axis_name=slow, fast_axis_name=fast; docs/hierarchical.md)."
+        )
+    missing = [a for a in names if a not in mesh.axis_names]
+    if len(names) == 2 and missing:
+        raise ValueError(
+            f"the mesh has axes {mesh.axis_names}, not {missing} of data_axis={data_axis!r}: "
+            "a pair names two axes of the mesh, e.g. jax.make_mesh((nodes, per_node), "
+            "('node', 'local'), axis_types=(jax.sharding.AxisType.Auto,) * 2)."
+        )
+    if not names or missing:
         raise ValueError(
             f"the mesh has axes {mesh.axis_names} and no data axis {data_axis!r}: make a mesh "
             f"with a data axis, e.g. jax.make_mesh(({mesh.size}, 1), ({data_axis!r}, 'model'), "

@@ -507,9 +507,11 @@ class KindDispatcher:
                 f"the {sent} kinds (from the schedule given to dispatch_by_kind), the optimizer "
                 f"state refused {refused}: its counters expected other kinds ({asked} at the "
                 "last refusal). A refused step is not applied. The schedule is not the "
-                "optimizer's: build it from the same policies (e.g. "
-                "ozo.zero_one_schedule(var_freeze_step=..., ...) with zero_one_adam's "
-                "arguments)."
+                "optimizer's: build it from the same policies, with the optimizer's own "
+                "arguments: ozo.zero_one_schedule(var_freeze_step=..., ...) for zero_one_adam, "
+                "ozo.onebit_schedule(freeze_step) for onebit_adam, "
+                "ozo.diloco_schedule(sync_every, start_step) for diloco, "
+                "ozo.StepSchedule(variance_policy, local_step_policy) for blocks of your own."
             )
         self.lost += refused
         self.skipped += skipped

@@ -30,6 +30,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_zero_one.core import _checks
+
 # The environment variables ``optax_zero_one.integration.launch`` sets for each process.
 COORDINATOR = "OZO_COORDINATOR"  # host:port of process 0
 NUM_PROCESSES = "OZO_NUM_PROCESSES"
@@ -290,18 +292,25 @@ def on_workers(
       >>> params, opt_state = step(params, opt_state, to_workers(lambda i: {"w": np.ones(3)}, mesh))
     """
     axis = _axis(mesh, axis_name)
-    return jax.shard_map(worker_body(fn, batched), mesh=mesh, in_specs=P(axis), out_specs=P(axis))
+    body = worker_body(fn, batched, axis, "on_workers")
+    return jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis))
 
 
-def worker_body(fn: Callable[..., Any], batched: bool) -> Callable[..., Any]:
+def worker_body(fn: Callable[..., Any], batched: bool, axes: Any, owner: str) -> Callable[..., Any]:
     """``fn`` on one worker's trees as a ``shard_map`` body over blocks of one row: on the row
     (dropped before ``fn``, restored after), or under ``jax.vmap`` over the block (``batched``;
-    see :func:`on_workers`)."""
+    see :func:`on_workers`). While ``fn`` is traced, the library's transforms must communicate
+    over ``axes`` (one axis, or ``(slow, fast)``): one built for another axis, or for none,
+    raises, as JAX would run it and the workers would never average (``owner`` names the
+    helper in the error)."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    expected = names[0] if len(names) == 1 else names
 
     def body(*args: Any) -> Any:
-        if batched:
-            return jax.vmap(fn)(*args)
-        out = fn(*jax.tree.map(lambda x: x[0], args))
+        with _checks.expect_worker_axes(expected, owner):
+            if batched:
+                return jax.vmap(fn)(*args)
+            out = fn(*jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
     return body
