@@ -314,16 +314,24 @@ def test_a_state_for_another_split_is_refused():
 # -- the jit drop-in with a pair of data axes ----------------------------------------------
 
 
-def test_data_parallel_with_a_pair_of_data_axes():
+def pair_data_parallel(shape):
+    """The data-parallel job's params on a ("node", "local", "model") mesh of ``shape``, and
+    ``data_parallel`` over the pair."""
     from support.jobs import data_parallel_worker as job
 
     auto = (jax.sharding.AxisType.Auto,) * 3
-    mesh = jax.make_mesh((2, 2, 2), ("node", "local", "model"), axis_types=auto)
+    mesh = jax.make_mesh(shape, ("node", "local", "model"), axis_types=auto)
     params = {
         k: jax.device_put(x, NamedSharding(mesh, job.SPECS[k]))
         for k, x in job.host_params().items()
     }
-    dp = ozo.data_parallel(mesh, params, data_axis=("node", "local"))
+    return mesh, params, ozo.data_parallel(mesh, params, data_axis=("node", "local"))
+
+
+def test_data_parallel_with_a_pair_of_data_axes():
+    from support.jobs import data_parallel_worker as job
+
+    mesh, params, dp = pair_data_parallel((2, 2, 2))
     assert dp.num_workers == 4 and dp.other_axes == ("model",)
     hier = ozo.zero_one_adam(
         1e-2,
@@ -400,13 +408,7 @@ def test_data_parallel_with_one_node_trains():
     replicated; the layout check took them for a state not in the worker layout."""
     from support.jobs import data_parallel_worker as job
 
-    auto = (jax.sharding.AxisType.Auto,) * 3
-    mesh = jax.make_mesh((1, 4, 2), ("node", "local", "model"), axis_types=auto)
-    params = {
-        k: jax.device_put(x, NamedSharding(mesh, job.SPECS[k]))
-        for k, x in job.host_params().items()
-    }
-    dp = ozo.data_parallel(mesh, params, data_axis=("node", "local"))
+    mesh, params, dp = pair_data_parallel((1, 4, 2))
     policies = dict(
         var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2
     )
