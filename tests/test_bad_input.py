@@ -367,6 +367,7 @@ ZERO_ONE_NONSENSE = [
     (dict(var_freeze_step=-1), r"var_freeze_step must be an integer >= 0"),
     (dict(var_freeze_step=1.5), r"var_freeze_step must be an integer >= 0"),
     (dict(var_freeze_step=0), r"frozen after step 0, before any step has measured it"),
+    (dict(var_freeze_step=10**12), r"var_freeze_step=1000000000000 does not fit .* int32"),
     (dict(var_update_scaler=0), r"var_update_scaler must be an integer >= 1"),
     (dict(local_step_scaler=0), r"local_step_scaler must be an integer >= 1"),
     (dict(local_step_clipper=0), r"local_step_clipper must be an integer >= 1"),
@@ -391,6 +392,7 @@ ONEBIT_NONSENSE = [
     (dict(freeze_step=-1), r"freeze_step must be an integer >= 0"),
     (dict(freeze_step=2.0), r"freeze_step must be an integer >= 0"),
     (dict(freeze_step=0), r"frozen after step 0.*onebit_adam's freeze_step >= 1"),
+    (dict(freeze_step=2**31), r"freeze_step=2147483648 does not fit .* int32"),
 ]
 
 

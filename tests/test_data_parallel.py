@@ -333,10 +333,19 @@ def test_flax_nnx_optimizer_in_the_step():
         for x in batches(STEPS):
             params_w, opt_state, loss = jax.block_until_ready(train(params_w, opt_state, x))
             losses.append(float(np.mean(np.asarray(loss))))
-        return params_w, losses
+        return params_w, losses, opt_state
 
-    params_w, losses = run(step, jax.jit(dp.on_workers(new_optimizer))(dp.to_workers(params)))
-    _, reference = run(functional_step, dp.init(tx, dp.to_workers(params)))
+    params_w, losses, nnx_state = run(
+        step, jax.jit(dp.on_workers(new_optimizer))(dp.to_workers(params))
+    )
+    _, reference, _ = run(functional_step, dp.init(tx, dp.to_workers(params)))
+    # nnx.state keeps the optimizer's state as plain mappings: the helpers that read it refuse
+    # it (they returned worker 0's unsynchronised params), pointing to the functional recipe
+    with pytest.raises(ValueError, match="Flax NNX State .*nnx.split the model"):
+        dp.synchronized_params(params_w, nnx_state)
+    for helper in (ozo.step_count, ozo.check_hints):
+        with pytest.raises(ValueError, match="Flax NNX State"):
+            helper(nnx_state)
     np.testing.assert_allclose(losses, reference, rtol=1e-6)
     assert losses[-1] < 0.8 * losses[0]
     want = NamedSharding(mesh, P("data", None, "model"))

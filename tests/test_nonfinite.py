@@ -250,3 +250,33 @@ def test_a_guard_checks_the_update_of_a_transform_that_makes_no_promise():
     u, s3 = tx.update(jnp.array([1.0, 2.0, 0.0]), s2, x)
     assert int(s3.skipped_updates) == 1 and float(jnp.abs(u).max()) > 0
     assert ozo.core._graph.reported_skip(s3.inner_state, s2.inner_state) is None
+
+
+@pytest.mark.parametrize("last", ["adam", "sgd_momentum"])
+def test_a_guard_restores_the_buffers_of_a_plain_optax_state(last):
+    """A skipped step leaves a plain optax state (Adam's moments, SGD's momentum) as it was:
+    it took the NaN into its buffers, and one NaN made every later step non-finite (a new-user
+    trial: skipped 7 of 8 steps). This library's states keep their own (KEEPS_BUFFERS)."""
+    inner = optax.adam(1e-2) if last == "adam" else optax.sgd(0.1, momentum=0.9)
+    tx = ozo.skip_not_finite(
+        optax.chain(ozo.scheduled_mean(AXIS, ozo.VarianceDoubling(100)), inner)
+    )
+    n = 4
+
+    def step(p, s, t):
+        bad = (t == 1) & (jax.lax.axis_index(AXIS) == 1)
+        g = jax.tree.map(lambda x: jnp.where(bad, jnp.nan, 0.5 * x), p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    run = jax.jit(jax.vmap(step, axis_name=AXIS, in_axes=(0, 0, None)))
+    p = {"w": jnp.ones((n, 8))}
+    s = jax.vmap(tx.init, axis_name=AXIS)(p)
+    states = []
+    for t in range(6):
+        p, s = run(p, s, t)
+        states.append(s)
+    assert np.asarray(s.skipped_updates).tolist() == [1] * n  # the bad step only
+    for a, b in zip(jax.tree.leaves(states[1].inner_state), jax.tree.leaves(states[0].inner_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # kept as before the skip
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves((p, s)))

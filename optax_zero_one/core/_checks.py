@@ -19,6 +19,10 @@ def is_static_number(value: Any) -> bool:
     return isinstance(value, int | float | np.number) and not isinstance(value, bool)
 
 
+INT32_MAX = 2**31 - 1
+"""The largest step number the optimizers' int32 counters hold."""
+
+
 def check_int(name: str, value: Any, minimum: int) -> None:
     """Raises ``ValueError`` naming ``name`` unless ``value`` is an integer ``>= minimum``.
 
@@ -34,6 +38,11 @@ def check_int(name: str, value: Any, minimum: int) -> None:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    if value > INT32_MAX:
+        raise ValueError(
+            f"{name}={value} does not fit the optimizer's int32 step counters (at most "
+            f"{INT32_MAX}). For 'never', pass a step beyond the run's length, e.g. 10**9."
+        )
 
 
 def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool) -> None:

@@ -420,6 +420,30 @@ def keep_if_finite(finite: Any, step: Any, new_state: Any, skipped_state: Any) -
     return zero_unless(finite, step), restore_scalars(finite, new_state, skipped_state)
 
 
+def restore_skipped(ok: Any, new: Any, old: Any) -> Any:
+    """A state where a step is skipped (``ok`` false): the scalars of every state restored
+    (:func:`restore_scalars`), and every leaf of a state that does not keep its own buffers.
+
+    A state class of this library declares ``KEEPS_BUFFERS = True``: its transform keeps its
+    buffers on a bad step in the pass that writes them, so only its scalars need restoring
+    here, at no cost. Any other state (``optax.adam``'s moments, ``optax.sgd``'s momentum) took
+    the non-finite input into its buffers: they are restored with a select (one pass over them
+    on every step; XLA fuses it into the pass that wrote them). Without it one NaN left in
+    Adam's moments made every later step non-finite, and skipped.
+    """
+    if hasattr(new, "_fields"):
+        if not getattr(type(new), "KEEPS_BUFFERS", False):
+            return keep_if(
+                ok, new, jax.tree.map(lambda n, o: jnp.asarray(o, jnp.result_type(n)), new, old)
+            )
+        return type(new)(*(restore_skipped(ok, n, o) for n, o in zip(new, old, strict=True)))
+    if isinstance(new, tuple | list):
+        return type(new)(restore_skipped(ok, n, o) for n, o in zip(new, old, strict=True))
+    if isinstance(new, dict):
+        return {k: restore_skipped(ok, v, old[k]) for k, v in new.items()}
+    return restore_scalars(ok, new, old)
+
+
 def restore_scalars(ok: Any, new: Any, old: Any) -> Any:
     """``new`` with every scalar leaf (counters, flags) taken from ``old`` where ``ok`` is false.
 
@@ -460,6 +484,22 @@ def refusals(state: Any) -> list[tuple[type, Any]]:
         elif isinstance(node, tuple | list):
             stack.extend(reversed(node))
     return found
+
+
+def check_not_nnx_state(state: Any, what: str) -> None:
+    """Raises ``ValueError`` if ``state`` is (or holds) a Flax NNX ``State``: ``nnx.state`` of
+    an ``nnx.Optimizer`` stores the optimizer's state classes as plain mappings, so no hook can
+    be found in it, and ``what`` would silently treat a 0/1 Adam state as one without local steps
+    or counters."""
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: type(x).__module__.startswith("flax.nnx"))
+    if any(type(x).__module__.startswith("flax.nnx.statelib") for x in [state, *nodes]):
+        raise ValueError(
+            f"{what} got a Flax NNX State (nnx.state of an nnx.Optimizer), which keeps the "
+            "optimizer's state as plain mappings: the step counter and the last synchronised "
+            "point cannot be found in it (worker 0's unsynchronised params would come back). "
+            "Keep optax's own state beside the model instead: nnx.split the model and call "
+            "tx.init / tx.update yourself (docs/jit.md, 'Flax NNX'; examples/nnx_shard_map.py)."
+        )
 
 
 def step_counter(state: Any) -> Any:

@@ -38,6 +38,8 @@ class OnebitMeanState(NamedTuple):
         one worker and with the ``"psum"`` backend, which has no server stage).
     """
 
+    KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+
     worker_error: Any
     server_error: jax.Array
 

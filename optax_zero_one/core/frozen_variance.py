@@ -33,6 +33,8 @@ class FrozenVarianceAdamState(NamedTuple):
         (as in :class:`~optax_zero_one.ScheduledMeanState`).
     """
 
+    KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+
     count: jax.Array
     variance_policy: Any
     mu: optax.Updates

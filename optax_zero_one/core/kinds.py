@@ -259,6 +259,7 @@ def step_count(state: Any) -> int:
     """
     counter = _graph.step_counter(state)
     if counter is None:
+        _graph.check_not_nnx_state(state, "step_count")
         raise ValueError(
             "This state holds no step counter of optax_zero_one's transforms (a state made by "
             "zero_one_adam, onebit_adam or one of their blocks is needed)."
@@ -275,6 +276,7 @@ def check_hints(state: Any) -> None:
     ``DataParallel.jit(schedule=...)``, which check it) should call this now and then, e.g.
     every few hundred steps and before a checkpoint.
     """
+    _graph.check_not_nnx_state(state, "check_hints")
     problems = []
     for cls, record in _graph.refusals(state):
         refused, expected = (int(v) for v in first_values(record, 2))

@@ -56,6 +56,8 @@ class LocalStepSyncState(NamedTuple):
         (as in :class:`~optax_zero_one.ScheduledMeanState`).
     """
 
+    KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+
     count: jax.Array
     local_step_policy: Any
     anchor: optax.Params

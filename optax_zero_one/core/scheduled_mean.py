@@ -35,6 +35,8 @@ class ScheduledMeanState(NamedTuple):
         one (see ``BRANCHES``). Not a scalar, so a skipped step does not roll it back.
     """
 
+    KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+
     count: jax.Array
     variance_policy: Any
     errors: Any

@@ -48,6 +48,8 @@ class FlattenState(NamedTuple):
       inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
     """
 
+    KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+
     offsets: jax.Array
     inner_state: optax.OptState
 
@@ -174,6 +176,8 @@ class SkipNotFiniteState(NamedTuple):
       inner_state: the wrapped transform's state (unchanged by a skipped step).
     """
 
+    KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+
     skipped_updates: jax.Array
     inner_state: optax.OptState
 
@@ -189,9 +193,10 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
 
     Every worker skips together if ``inner`` averages across workers before producing ``u``
     (a non-finite value then reaches every worker); wrap only such transforms. The wrapper
-    restores every counter of the inner state; the buffers must be kept by the transforms that
-    own them, as this library's do when their input is not finite (restoring a buffer afterwards
-    would cost a pass over it on every step).
+    restores every counter of the inner state. This library's transforms keep their own buffers
+    on a bad step (their states declare ``KEEPS_BUFFERS``); the buffers of any other state in
+    ``inner`` (e.g. ``optax.adam``'s moments) are restored by the wrapper, at the cost of a
+    select over them on every step (:func:`~optax_zero_one.core._graph.restore_skipped`).
 
     Args:
       inner: the transformation to guard.
@@ -214,7 +219,7 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
         finite = _graph.finite_or_skipped(step, inner_state, state.inner_state)
         kept = SkipNotFiniteState(state.skipped_updates, inner_state)
         skipped = SkipNotFiniteState(state.skipped_updates + 1, state.inner_state)
-        return _graph.keep_if_finite(finite, step, kept, skipped)
+        return _graph.zero_unless(finite, step), _graph.restore_skipped(finite, kept, skipped)
 
     return _checks.transformation(init_fn, update_fn, SkipNotFiniteState, "skip_not_finite")
 

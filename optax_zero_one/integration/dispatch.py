@@ -470,6 +470,7 @@ class KindDispatcher:
                 return
         counter, refused = self._probe(state)
         if counter is None:
+            _graph.check_not_nnx_state(state, "The step dispatched by kind")
             raise ValueError(
                 f"argument {self._state_index} of the step holds no optimizer state of "
                 "optax_zero_one (no step counter); pass state_index= the position of opt_state."

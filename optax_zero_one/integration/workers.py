@@ -30,6 +30,8 @@ class ShardLocalState(NamedTuple):
         other mesh axes (sharded over them): every device keeps the state of its own shard.
     """
 
+    KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+
     inner: Any
 
 
@@ -119,6 +121,7 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
         )
     found = _graph.nodes_of(opt_state, LocalStepSyncState)
     if not found:
+        _graph.check_not_nnx_state(opt_state, "synchronized_params")
         return params
     if len(found) > 1:
         raise ValueError("opt_state holds more than one LocalStepSyncState; pass the one to use.")
