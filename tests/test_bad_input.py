@@ -450,3 +450,27 @@ def test_largest_and_smallest_safe_values_are_compressed():
         out, state, ref = compressed_mean_of(jnp.asarray(raw, jnp.float32))
         np.testing.assert_allclose(out[0], ref, rtol=1e-5, atol=1e-6 * magnitude)
         assert all(np.all(np.isfinite(np.asarray(e))) for e in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("name", ADAMS)
+def test_float64_params_under_x64_keep_a_float64_state(name):
+    """With jax_enable_x64 and float64 params the error buffers were float32 while the
+    compressed mean computed in float64: the in-graph update's branches disagreed (an internal
+    switch type error, a new-user trial)."""
+    with jax.enable_x64(True):
+        params = {"a": jnp.ones((3, 2), jnp.float64), "b": jnp.ones((5,), jnp.float64)}
+        tx = ADAMS[name]()
+
+        def fn(p, g):
+            s = tx.init(p)
+            for _ in range(3):
+                u, s = tx.update(g, s, p)
+                p = optax.apply_updates(p, u)
+            return p, s
+
+        p, s = per_worker(fn, params, jax.tree.map(lambda x: 0.5 * x, params))
+        buffers = [  # per worker: a leading axis, then the buffer's own (scalars: lr_sum)
+            x for x in jax.tree.leaves(s) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 1
+        ]
+        assert buffers and {x.dtype for x in buffers} == {jnp.dtype(jnp.float64)}
+        assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(p))

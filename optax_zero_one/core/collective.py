@@ -84,7 +84,10 @@ def init_state(params: Any, comm: Comm) -> OnebitMeanState:
     if _checks.is_placeholder(params):  # no parameters: the state's structure only
         return OnebitMeanState(jnp.zeros((0,)), jnp.zeros((0,)))
     fast = _checks.fast_size(comm.axes, comm.num_workers)
-    return init_errors(flat.layout_of(params, workers), comm.collective, fast=fast)
+    # in the dtype the compressed mean computes in (float32, or float64 for float64 params
+    # under jax_enable_x64: float32 buffers there made a conditional's branches disagree)
+    dtype = flat.compute_dtype(params)
+    return init_errors(flat.layout_of(params, workers), comm.collective, dtype, fast=fast)
 
 
 def _check_errors(layout: Layout, errors: OnebitMeanState, collective: str, fast: int) -> None:
