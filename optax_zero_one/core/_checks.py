@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_zero_one.core import _graph
+
 
 def is_static_number(value: Any) -> bool:
     """True for Python/NumPy numbers (checkable now); False for tracers and schedules."""
@@ -191,8 +193,7 @@ def _mapped_axes(updates: Any) -> set[str]:
     except (ImportError, AttributeError):
         pass
     for x in jax.tree.leaves(updates):
-        manual = getattr(jax.typeof(x), "manual_axis_type", None)
-        names |= {a for a in getattr(manual, "varying", ()) if isinstance(a, str)}
+        names |= {a for a in _graph.varying_axes(x) if isinstance(a, str)}
     return names
 
 

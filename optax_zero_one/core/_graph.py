@@ -492,7 +492,7 @@ def check_not_nnx_state(state: Any, what: str) -> None:
     be found in it, and ``what`` would silently treat a 0/1 Adam state as one without local steps
     or counters."""
     nodes = jax.tree.leaves(state, is_leaf=lambda x: type(x).__module__.startswith("flax.nnx"))
-    if any(type(x).__module__.startswith("flax.nnx.statelib") for x in [state, *nodes]):
+    if any(type(x).__module__.startswith("flax.nnx.statelib") for x in nodes):
         raise ValueError(
             f"{what} got a Flax NNX State (nnx.state of an nnx.Optimizer), which keeps the "
             "optimizer's state as plain mappings: the step counter and the last synchronised "

@@ -79,16 +79,6 @@ class Comm:
         return cls(axes, num_workers, collective, mask)
 
     @property
-    def axis_name(self) -> str | None:
-        """The axis the 1-bit mean runs over (across nodes in a hierarchy)."""
-        return _checks.split_axes(self.axes)[0]
-
-    @property
-    def fast_axis_name(self) -> str | None:
-        """The axis inside a node, or ``None``."""
-        return _checks.split_axes(self.axes)[1]
-
-    @property
     def exact(self) -> bool:
         """Whether the mean is the exact float one (no error buffers)."""
         return self.collective == "float"
