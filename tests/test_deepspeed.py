@@ -151,6 +151,17 @@ def test_backend_keys_are_ignored_and_type_is_case_insensitive(zero_one_by_hand)
         ozo.from_deepspeed_config({"type": name, "params": {"bias_correction": False}})
 
 
+def test_flags_written_as_numbers_read_as_deepspeed_reads_them(zero_one_by_hand):
+    """DeepSpeed tests these flags for truth, so a config may say 0 for false and 1 for true."""
+    as_numbers = {"amsgrad": 0, "eps_inside_sqrt": 0, "max_grad_norm": False, "bias_correction": 1}
+    section = {"type": "ZeroOneAdam", "params": {**ZERO_ONE, **as_numbers}}
+    tx = ozo.from_deepspeed_config(section, axis_name=AXIS, mask=MASK)
+    assert_same(trajectory(tx), zero_one_by_hand)
+    for key, truthy in (("amsgrad", 1), ("eps_inside_sqrt", 1.0), ("amsgrad", "false")):
+        with pytest.raises(ValueError, match=f"param {key}=.* is not supported"):
+            ozo.from_deepspeed_config({"type": "ZeroOneAdam", "params": {key: truthy}})
+
+
 def test_learning_rate_override_replaces_lr():
     schedule = optax.linear_schedule(0.0, 0.02, 10)
     params = {**ZERO_ONE, "lr": "auto"}  # an unresolved Hugging Face value is fine if replaced

@@ -97,9 +97,9 @@ def from_deepspeed_config(
     ``freeze_step``         ``freeze_step`` (OneBitAdam only)
     ``cuda_aware``,         ignored: PyTorch communication backend settings
     ``comm_backend_name``
-    ``bias_correction``     ignored: DeepSpeed applies none whatever its value
-    ``amsgrad``             only ``false`` (AMSGrad is not supported)
-    ``eps_inside_sqrt``     only ``false`` (DeepSpeed ignores ``true``)
+    ``bias_correction``     ignored (true, false, 0 or 1): DeepSpeed applies none
+    ``amsgrad``             only ``false`` or ``0`` (AMSGrad is not supported)
+    ``eps_inside_sqrt``     only ``false`` or ``0`` (DeepSpeed ignores ``true``)
     ``max_grad_norm``       only ``0`` (DeepSpeed ignores other values)
     ======================= =====================================================
 
@@ -138,8 +138,11 @@ def from_deepspeed_config(
     for key, (allowed, why) in _ONLY_DEFAULT.items():
         if key in params and not _same(params[key], allowed):
             raise ValueError(f"{kind} param {key}={params[key]!r} is not supported: {why}.")
-    if not isinstance(params.get("bias_correction", False), bool):
-        raise ValueError(f"{kind} param bias_correction must be true or false.")
+    bias_correction = params.get("bias_correction", False)
+    if not (isinstance(bias_correction, bool) or bias_correction in (0, 1)):
+        raise ValueError(
+            f"{kind} param bias_correction must be true or false, got {bias_correction!r}."
+        )
 
     lr = params.get("lr", _DEFAULTS["lr"])
     if learning_rate is None:
@@ -215,9 +218,9 @@ def _unknown_key_message(kind: str, key: str, supported: tuple[str, ...]) -> str
 
 
 def _same(value: Any, allowed: Any) -> bool:
-    if isinstance(allowed, bool):
-        return value is allowed
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == allowed
+    # DeepSpeed tests these keys for truth (``if amsgrad:``), so JSON's 0 is its false and
+    # false its 0; a string such as "false" is truthy there and stays refused here.
+    return isinstance(value, numbers.Real) and value == allowed
 
 
 def _number(kind: str, key: str, value: Any) -> float:
