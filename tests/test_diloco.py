@@ -184,6 +184,36 @@ def test_hinted_steps_follow_the_in_graph_steps():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_start_step_with_the_documented_warm_up_keeps_the_workers_together():
+    """``start_step=s`` with docs/diloco.md's inner (a float mean up to step ``s``, then none):
+    every worker holds the same params through the warm-up and after every sync, hinted or
+    not. Without the mean the workers part in the warm-up and each keeps its own anchor after
+    (the precondition the docs state, shown failing)."""
+    n, start, steps = 4, 3, 3 + 3 * H
+    prob = problem(n, steps, seed=5)
+    warm_up = ozo.scheduled_mean(AXIS, ozo.FullPrecisionWarmup(start), compressed_steps=False)
+    schedule = ozo.diloco_schedule(H, start)
+    for inner, together in ((optax.chain(warm_up, optax.adamw(INNER_LR)), True),
+                            (optax.adamw(INNER_LR), False)):  # fmt: skip
+        tx = ozo.diloco(inner, nesterov(), H, AXIS, collective="two_phase", start_step=start)
+        for hinted in (None, schedule):
+            spread = {}
+
+            def after(k, x, spread=spread):
+                spread[k] = max(float(np.ptp(np.asarray(leaf), axis=0).max()) for leaf in x)
+
+            x = layout([prob[0]] * n)
+            state = mapped(tx.init, "vmap", n)(x)
+            train(stepper(tx, n, hinted), x, state, prob, 1, steps, after)
+            synced = [k for k in range(1, steps + 1) if k <= start or schedule.kind(k).sync]
+            assert len(synced) == start + 3
+            if together:
+                assert [spread[k] for k in synced] == [0.0] * len(synced)
+                assert spread[start + 2] > 0  # local steps part the workers, syncs rejoin them
+            else:
+                assert min(spread[k] for k in synced) > 1e-2
+
+
 def test_resume_from_a_saved_state_is_exact():
     """The outer momentum is part of the state: 2 rounds, save (to host), 1 more round equals
     3 rounds straight."""

@@ -58,7 +58,9 @@ def diloco(
       collective: how ``delta`` is averaged: ``"float"`` (exact float32, ~32 bits per element
         each way), ``"two_phase"`` or ``"psum"`` (1-bit with error feedback, ~2 or 4-8 bits).
       start_step: steps before local steps begin, on which ``inner`` itself must average
-        across workers (e.g. a chain that starts with a mean); ``0``: local from the start.
+        across workers (unchecked), e.g. ``optax.chain(ozo.scheduled_mean(axis_name,
+        ozo.FullPrecisionWarmup(start_step), compressed_steps=False), optax.adamw(...))``;
+        ``0``: local from the start.
       mask: optional tree of 0/1 like the params, multiplying the averaged delta.
       num_workers: needed only when ``init`` runs outside the mapped context.
       fast_axis_name: the axis inside a node: syncs reduce over it exactly first

@@ -234,7 +234,9 @@ def local_step_sync(
       local_step_policy: which steps after ``start_step`` synchronise
         (e.g. :class:`~optax_zero_one.LocalStepDoubling`).
       axis_name: the worker axis, or ``None`` for one worker.
-      start_step: the last step before local steps begin (0: from the first step).
+      start_step: the last step before local steps begin (0: from the first step). Up to it
+        ``inner`` must average across workers itself (unchecked; ``docs/diloco.md`` shows
+        one way): the first step after it takes each worker's params as its anchor.
       rule: what a sync sends and resets (default :class:`ParamsAverage`; 0/1 Adam uses
         :class:`~optax_zero_one.FrozenAdamSync`, SGD with momentum :class:`MomentumAverage`).
       num_workers: needed only when ``init`` runs outside the mapped context.
