@@ -101,8 +101,8 @@ def run_compressed_mean(inputs, num_workers):
     by_worker = [np.swapaxes(leaf, 0, 1) for leaf in inputs]  # (N, CALLS, ...)
     outs, errors = jax.jit(jax.vmap(worker, axis_name=AXIS))(by_worker)
     swap = lambda a: np.swapaxes(np.asarray(a), 0, 1)  # back to (CALLS, N, ...)
-    if num_workers == 1:
-        empty = [np.zeros((CALLS, 1, 0))] * len(inputs)
+    if num_workers == 1 or layout.width == 0:  # no buffers (nothing to compress)
+        empty = [np.zeros((CALLS, num_workers, 0))] * len(inputs)
         return [swap(o) for o in outs], (empty, empty)
     worker_error = [swap(e) for e in layout.padded_leaves(np.asarray(errors.worker_error.buffer))]
     server_error = [swap(e) for e in layout.chunk_leaves(np.asarray(errors.server_error))]

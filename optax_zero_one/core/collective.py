@@ -33,15 +33,19 @@ class OnebitMeanState(NamedTuple):
     Attributes:
       worker_error: a :class:`~optax_zero_one.core.flat.FlatTree` of the input's layout: the error
         of this worker's compression, one entry per padded element (row ``j``: chunk ``j``).
-        A zero-size array when there is one worker.
-      server_error: float ``(C,)``: the error of the chunk this worker serves (zero-size with
-        one worker and with the ``"psum"`` backend, which has no server stage).
+        ``optax.EmptyState()`` when there is one worker.
+      server_error: float ``(C,)``: the error of the chunk this worker serves
+        (``optax.EmptyState()`` with one worker and with the ``"psum"`` backend, which has no
+        server stage).
+
+    A buffer that does not exist is an empty subtree, not a zero-size array: checkpointers
+    (Orbax's among them) refuse to save zero-size arrays.
     """
 
     KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
 
     worker_error: Any
-    server_error: jax.Array
+    server_error: Any
 
     def moved(self, every: Any, fresh: OnebitMeanState, move: Any) -> OnebitMeanState:
         """To another worker count (:func:`~optax_zero_one.reset_compression`): fresh zeros.
@@ -55,35 +59,55 @@ def _server_width(layout: Layout, collective: str) -> int:
     return 0 if collective == "psum" else layout.width
 
 
+def _no_buffer() -> optax.EmptyState:
+    """Where a state has no buffer: an empty subtree (a zero-size array cannot be saved)."""
+    return optax.EmptyState()
+
+
+def _shape(buffer: Any) -> tuple[int, ...] | None:
+    """A buffer's shape, ``None`` where there is none (also a zero-size array: a state made
+    before the buffers that do not exist became empty subtrees)."""
+    if isinstance(buffer, optax.EmptyState) or np.size(buffer) == 0:
+        return None
+    return np.shape(buffer)
+
+
 def init_errors(
     layout: Layout, collective: str = "two_phase", dtype: Any = jnp.float32, fast: int = 1
 ) -> OnebitMeanState:
-    """Zero error buffers for ``layout`` (zero-size when ``N == 1``).
+    """Zero error buffers for ``layout`` (none when ``N == 1``).
 
     With ``fast = L > 1`` workers per node (a hierarchy, ``docs/hierarchical.md``) only the
     ``S = N / L`` nodes compress: a plain ``(S, C)`` worker error for this worker's share and a
-    ``(C,)`` server error (both zero-size with one node).
+    ``(C,)`` server error (neither with one node).
     """
     check_collective(collective)
     compressing = layout.num_workers // fast  # every worker, or the nodes
     if compressing == 1:
-        return OnebitMeanState(jnp.zeros((0,), dtype), jnp.zeros((0,), dtype))
+        return OnebitMeanState(_no_buffer(), _no_buffer())
     if fast > 1:
         width = layout.width
         return OnebitMeanState(jnp.zeros((compressing, width), dtype), jnp.zeros((width,), dtype))
     if collective == "psum":
         psum_mean.check_num_workers(layout.num_workers)
     server = _server_width(layout, collective)
-    return OnebitMeanState(flat.zeros(layout, dtype), jnp.zeros((server,), dtype))
+    server_error = jnp.zeros((server,), dtype) if server else _no_buffer()
+    return OnebitMeanState(flat.zeros(layout, dtype), server_error)
 
 
 def init_state(params: Any, comm: Comm) -> OnebitMeanState:
     """The zero error buffers for ``params`` (a tree or a flat buffer) on the workers of
     ``comm``, as a transform's ``init`` makes them."""
     workers = comm.init_workers(params)
-    if _checks.is_placeholder(params):  # no parameters: the state's structure only
-        return OnebitMeanState(jnp.zeros((0,)), jnp.zeros((0,)))
     fast = _checks.fast_size(comm.axes, comm.num_workers)
+    if _checks.is_placeholder(params):  # no parameters: the state's structure only
+        # (optax.tree_map_params uses it as a prefix of the real state: a leaf stands for a
+        # buffer or a FlatTree; where the real state has no buffer, neither does this)
+        stand_in = jnp.zeros((0,))
+        if workers // fast == 1:
+            return OnebitMeanState(_no_buffer(), _no_buffer())
+        server = stand_in if fast > 1 or comm.collective != "psum" else _no_buffer()
+        return OnebitMeanState(stand_in, server)
     # in the dtype the compressed mean computes in (float32, or float64 for float64 params
     # under jax_enable_x64: float32 buffers there made a conditional's branches disagree)
     dtype = flat.compute_dtype(params)
@@ -96,21 +120,21 @@ def _check_errors(layout: Layout, errors: OnebitMeanState, collective: str, fast
         layout.check(stored, "The compression state")
     if fast > 1:
         nodes = layout.num_workers // fast
-        want = [(0,), (0,)] if nodes == 1 else [(nodes, layout.width), (layout.width,)]
-        fits = stored is None and [np.shape(e) for e in errors] == want
+        want = [None, None] if nodes == 1 else [(nodes, layout.width), (layout.width,)]
+        fits = stored is None and [_shape(e) for e in errors] == want
         if not fits:
             raise ValueError(
                 f"The compression state does not fit {nodes} nodes x {fast} workers per node "
-                f"(shapes {[np.shape(e) for e in errors]}, expected {want}). It was initialised "
+                f"(shapes {[_shape(e) for e in errors]}, expected {want}). It was initialised "
                 "for another split of the workers (or without fast_axis_name); re-initialise "
                 "it, or restore a checkpoint made with the same axes."
             )
         return
     if layout.num_workers == 1:
-        fits = stored is None and np.size(errors.worker_error) == 0
+        fits = stored is None and _shape(errors.worker_error) is None
     else:
         server = _server_width(layout, collective)
-        fits = stored is not None and np.shape(errors.server_error) == (server,)
+        fits = stored is not None and _shape(errors.server_error) == ((server,) if server else None)
     if not fits:
         raise ValueError(
             f"The compression state does not fit {layout.num_workers} workers and "
