@@ -47,6 +47,21 @@ def test_on_workers_binds_the_axis_and_unreplicate_reads_one_worker():
     np.testing.assert_array_equal(ozo.unreplicate(x, worker=-1), [3.0, 3.0])
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_on_workers_refuses_more_than_one_row_per_worker(batched):
+    """A global batch (or params for twice the workers) gives each device a block of several
+    rows; taking the block's first row would train on a fraction of the data, silently."""
+    mesh = ozo.worker_mesh(AXIS, 4)
+    step = jax.jit(ozo.on_workers(lambda p, x: (p, x.sum()), mesh, batched=batched))
+    params = ozo.to_workers({"w": np.zeros((4, 3), np.float32)}, mesh)
+    step(params, np.ones((4, 8, 3), np.float32))  # the worker layout: one row per worker
+    with pytest.raises(ValueError, match=r"positional argument 1 has a leading axis of 32, .* "
+                       r"one entry per worker \(4\).*x.reshape\(4, -1"):  # fmt: skip
+        step(params, np.ones((32, 3), np.float32))
+    with pytest.raises(ValueError, match=r"positional argument 0, leaf \['w'\], has a leading"):
+        step({"w": np.zeros((8, 3), np.float32)}, np.ones((4, 8, 3), np.float32))
+
+
 def test_initialize_from_env_without_the_launcher_is_one_process(monkeypatch):
     monkeypatch.delenv("OZO_COORDINATOR", raising=False)
     job = ozo.initialize_from_env()

@@ -307,6 +307,7 @@ def worker_body(fn: Callable[..., Any], batched: bool, axes: Any, owner: str) ->
     expected = names[0] if len(names) == 1 else names
 
     def body(*args: Any) -> Any:
+        _check_one_row_each(args, names, owner)
         with _checks.expect_worker_axes(expected, owner):
             if batched:
                 return jax.vmap(fn)(*args)
@@ -314,3 +315,25 @@ def worker_body(fn: Callable[..., Any], batched: bool, axes: Any, owner: str) ->
         return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
     return body
+
+
+def _check_one_row_each(args: Any, names: tuple[str, ...], owner: str) -> None:
+    """Raises ``ValueError`` unless every argument's block (what one device sees) is one row:
+    a leading axis of ``k`` rows per worker would silently train on row 0 and drop the rest."""
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        shape = np.shape(x)
+        if shape and shape[0] != 1:
+            workers = math.prod(jax.lax.axis_size(name) for name in names)
+            where = f"positional argument {path[0].idx}" + (
+                f", leaf {jax.tree_util.keystr(path[1:])}," if len(path) > 1 else ""
+            )
+            raise ValueError(
+                f"{owner}: {where} has a leading axis of "
+                f"{shape[0] * workers}, where the worker layout has one entry per worker "
+                f"({workers}). Each worker would see only the first of its {shape[0]} rows. "
+                "Give every argument a leading axis of one entry per worker: reshape a global "
+                f"batch to (workers, per_worker, ...) with x.reshape({workers}, -1, "
+                "*x.shape[1:]), and build params for as many workers as the mesh has "
+                "(ozo.replicate(params, num_workers)); ozo.data_parallel(...).jit takes a "
+                "global batch itself."
+            )
