@@ -415,6 +415,32 @@ def test_policies_and_collective_out_of_range():
         ozo.scale_by_zero_one_adam(0.1, variance_policy="doubling")
 
 
+@pytest.mark.parametrize("factory", [ozo.zero_one_adam, ozo.onebit_adam])
+def test_a_schedule_of_a_non_scalar_rate_at_construction(factory):
+    with pytest.raises(ValueError, match=r"schedule returning shape \(3,\): it must return a"):
+        factory(lambda count: jnp.full(3, 1e-3))
+    factory(lambda count: 1e-3 if count < 10 else 1e-4)  # not traceable alone: left to update
+
+
+def test_an_optimizer_factory_given_uncalled_is_named():
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    with pytest.raises(TypeError, match=r"'adamw' looks like an optimizer's factory: call it, "
+                       r"e.g. optax.adamw\(1e-3\)"):  # fmt: skip
+        ozo.diloco(optax.adamw, outer, 4, AXIS)
+    with pytest.raises(TypeError, match=r"outer must be .* call it, e.g. optax.sgd\(0.7"):
+        ozo.diloco(optax.adamw(1e-3), optax.sgd, 4, AXIS)
+
+
+def test_worker_helpers_refuse_swapped_or_malformed_arguments():
+    params = {"w": jnp.ones((3, 2))}
+    tx = ozo.zero_one_adam(0.1)
+    with pytest.raises(ValueError, match=r"arguments are \(params, opt_state\)"):
+        ozo.synchronized_params(tx.init(params), params)
+    for bad in (0, 4.0, "4"):
+        with pytest.raises(ValueError, match="num_workers must be an integer >= 1"):
+            ozo.replicate(params, bad)
+
+
 # --- values the compression cannot represent ------------------------------------------------------
 
 

@@ -213,6 +213,7 @@ def test_the_papers_bert_configs_parse():
         ({"type": "ZeroOneAdam", "params": {"freeze_step": 10}}, "var_freeze_step"),
         ({"type": "OneBitAdam", "params": {"var_freeze_step": 10}}, "freeze_step"),
         ({"type": "ZeroOneAdam", "params": {"momentum": 0.9}}, "'momentum' is not supported"),
+        ({"type": "OneBitAdam", "params": {"exp_avg_mask": None}}, "the mask= argument"),
         ({"type": "ZeroOneAdam", "params": {"amsgrad": True}}, "AMSGrad"),
         ({"type": "OneBitAdam", "params": {"eps_inside_sqrt": True}}, "never reads it"),
         ({"type": "ZeroOneAdam", "params": {"max_grad_norm": 1.0}}, "gradient_clipping"),

@@ -58,8 +58,17 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
 
 
 def check_learning_rate(learning_rate: Any) -> None:
-    """A float >= 0, an array (e.g. injected), or a schedule (callable)."""
+    """A float >= 0, an array (e.g. injected), or a schedule (callable) of a scalar."""
     if callable(learning_rate):
+        try:  # its shape only, traced on an abstract count (nothing runs)
+            shape = jax.eval_shape(learning_rate, jax.ShapeDtypeStruct((), jnp.int32)).shape
+        except Exception:  # noqa: BLE001 (not traceable alone, e.g. a Python if on the count:
+            return  # it fails where the update is traced, as in optax)
+        if shape != ():
+            raise ValueError(
+                f"learning_rate is a schedule returning shape {shape}: it must return a scalar "
+                "(one rate for every parameter), e.g. optax.cosine_decay_schedule(1e-3, 10_000)."
+            )
         return
     if isinstance(learning_rate, bool) or not (
         is_static_number(learning_rate) or isinstance(learning_rate, jax.Array)
@@ -426,14 +435,26 @@ def check_policy(name: str, policy: Any, method: str, example: str) -> None:
         )
 
 
+_TRANSFORMATION_EXAMPLES = {
+    "inner": "optax.adamw(1e-3)",
+    "outer": "optax.sgd(0.7, momentum=0.9, nesterov=True)",
+}
+
+
 def check_transformation(name: str, tx: Any) -> Any:
     """``tx`` (``None`` stays ``None``) with extra-args support, or a ``TypeError`` naming
     ``name`` if it is not an optax transformation."""
     if tx is None:
         return None
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        example = _TRANSFORMATION_EXAMPLES.get(name, "optax.sgd(0.1)")
+        called = (
+            f" {getattr(tx, '__name__', tx)!r} looks like an optimizer's factory: call it, "
+            f"e.g. {example}."
+            if callable(tx)
+            else ""
+        )
         raise TypeError(
-            f"{name} must be an optax.GradientTransformation (e.g. optax.sgd(0.7, momentum=0.9, "
-            f"nesterov=True)), got {tx!r}."
+            f"{name} must be an optax.GradientTransformation (e.g. {example}), got {tx!r}.{called}"
         )
     return optax.with_extra_args_support(tx)

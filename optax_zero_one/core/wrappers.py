@@ -76,7 +76,10 @@ def flatten(
     unaffected; the compressed mean (:func:`~optax_zero_one.onebit_mean` and the transforms
     built on it) reads the leaf boundaries from the layout, so per-leaf scales and padding are
     exactly those of the unflattened tree. What changes is the program: a handful of operations
-    on a few large buffers, whatever the number of leaves.
+    on a few large buffers, whatever the number of leaves. A transform that looks at a leaf's
+    shape or norm (``optax.contrib.muon``, ``optax.adafactor``, ``optax.lamb``'s trust ratios,
+    ``optax.clip_by_block_rms``) sees one flat buffer instead and computes something else,
+    without an error: keep such transforms outside ``flatten``.
 
     Args:
       inner: the transformation to run on flat buffers.

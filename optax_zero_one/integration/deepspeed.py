@@ -211,6 +211,11 @@ def _unknown_key_message(kind: str, key: str, supported: tuple[str, ...]) -> str
         ("OneBitAdam", "var_freeze_step"): " 1-bit Adam's analogue is freeze_step, the number "
         "of full-precision warm-up steps.",
     }
+    if key == "exp_avg_mask":
+        hints[kind, key] = (
+            " DeepSpeed takes the momentum mask from the parameter groups; here it is the "
+            "mask= argument of from_deepspeed_config (a tree of 0/1 like the params)."
+        )
     return (
         f"{kind} param {key!r} is not supported.{hints.get((kind, key), '')} Supported keys: "
         f"{', '.join(sorted(supported))}."

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_zero_one.core import _graph
+from optax_zero_one.core import _checks, _graph
 from optax_zero_one.core.flat import FlatTree
 from optax_zero_one.core.local_steps import LocalStepSyncState
 from optax_zero_one.integration.distributed import _addressable_rows
@@ -47,6 +47,7 @@ def replicate(tree: Any, num_workers: int, sharding: jax.sharding.Sharding | Non
     Returns:
       The tree in the worker layout (leading axis of size ``num_workers``).
     """
+    _checks.check_int("num_workers", num_workers, 1)
     out = jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x)[None], num_workers, axis=0), tree)
     return out if sharding is None else jax.device_put(out, sharding)
 
@@ -120,6 +121,11 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
             "dp.synchronized_params(params, opt_state) instead."
         )
     found = _graph.nodes_of(opt_state, LocalStepSyncState)
+    if not found and _graph.nodes_of(params, LocalStepSyncState):
+        raise ValueError(
+            "synchronized_params got an optimizer state as params: the arguments are "
+            "(params, opt_state), in that order."
+        )
     if not found:
         _graph.check_not_nnx_state(opt_state, "synchronized_params")
         return params
