@@ -8,6 +8,7 @@ and training follows the 1-D run of the same model; clear errors for bad input.
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -236,6 +237,34 @@ def test_two_d_dispatched_programs_copy_the_counter_out_without_a_collective():
             ("all-reduce", ("pred",)),
         }, name
         assert len(model) == len([c for c in in_graph if c.mesh_axes(dp.mesh) == ("model",)])
+
+
+@pytest.mark.parametrize("model", [1, 2])
+def test_workers_that_start_apart_are_caught_once_local_steps_begin(model):
+    """Params that are not the same on every worker (e.g. initialised with a key per worker)
+    train apart for good while every step succeeds; the dispatcher compares the workers'
+    synchronised points once, at its first check after local steps begin, and raises. The same
+    run from replicated params is not stopped."""
+    dp, tx, step, params = job.setup(mesh_of(model))
+    rows = jnp.arange(N, dtype=jnp.float32)
+
+    def run(params_w):
+        state = dp.init(tx, params_w)
+        train = dp.jit(step, schedule=SCHEDULE)
+        for x in batches(STEPS):
+            params_w, state, _ = train(params_w, state, x)
+        train.settle()
+
+    run(dp.to_workers(params))
+    apart = jax.tree.map(
+        lambda x: x + 1e-3 * rows.reshape(N, *[1] * (x.ndim - 1)), dp.to_workers(params)
+    )
+    first_b = next(k for k in range(1, STEPS + 1) if not SCHEDULE.kind(k).phase_a)
+    apart_at = r"train apart: LocalStepSyncState.anchor.* worker 0 and worker 1 at step (\d+)"
+    with pytest.raises(ValueError, match=apart_at) as caught:
+        run(apart)
+    at = int(re.search(apart_at, str(caught.value)).group(1))
+    assert first_b <= at < first_b + 8  # at its first check in phase B
 
 
 def test_two_d_mesh_keeps_params_and_state_sharded(two_d):

@@ -11,9 +11,10 @@ typing, the finiteness checks and the counters of a state (``docs/design.md``, "
 - :func:`all_finite`, :func:`keep_if` and :func:`restore_scalars` are the non-finite handling and
   the gate a hinted step goes through: straight-line selects that XLA fuses into the writes;
   :func:`computed_once` keeps each scalar check one value that every write reads.
-- :func:`step_counter` and :func:`refusals` find a state's step counter and its records of
-  refused hints through the ``STEP_COUNTER`` and ``REFUSED_HINT`` hooks that state classes
-  declare, without knowing the classes.
+- :func:`step_counter`, :func:`refusals` and :func:`shared_values` find a state's step counter,
+  its records of refused hints and the values every worker holds alike through the
+  ``STEP_COUNTER``, ``REFUSED_HINT`` and ``SHARED`` hooks that state classes declare, without
+  knowing the classes.
 """
 
 from __future__ import annotations
@@ -473,12 +474,25 @@ def refusals(state: Any) -> list[tuple[type, Any]]:
     """``(state class, refused_hint array)`` of every state in ``state`` whose class declares a
     ``REFUSED_HINT`` field (and names its branches in ``BRANCHES``), outermost first, nested
     states (a wrapper's inner state) included."""
+    return _hooked(state, "REFUSED_HINT")
+
+
+def shared_values(state: Any) -> list[tuple[type, Any]]:
+    """``(state class, value)`` of every state in ``state`` whose class declares a ``SHARED``
+    field: one that is bitwise the same on every worker by design (``local_step_sync``'s
+    anchor), which a host may compare across workers (``dispatch.check_workers_agree``)."""
+    return _hooked(state, "SHARED")
+
+
+def _hooked(state: Any, hook: str) -> list[tuple[type, Any]]:
+    """``(state class, the field the class's ``hook`` names)`` of every state in ``state`` that
+    declares ``hook``, depth first in tree order (outermost first)."""
     found: list[tuple[type, Any]] = []
     stack = [state]
-    while stack:  # depth first, in tree order
+    while stack:
         node = stack.pop()
-        if _declares(node, "REFUSED_HINT"):
-            found.append((type(node), getattr(node, type(node).REFUSED_HINT)))
+        if _declares(node, hook):
+            found.append((type(node), getattr(node, getattr(type(node), hook))))
         if isinstance(node, dict):
             stack.extend(reversed(list(node.values())))
         elif isinstance(node, tuple | list):

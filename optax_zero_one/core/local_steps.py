@@ -72,6 +72,7 @@ class LocalStepSyncState(NamedTuple):
 
     STEP_COUNTER = "count"
     REFUSED_HINT = "refused_hint"
+    SHARED = "anchor"  # the same on every worker (a dispatcher compares it once)
     BRANCHES = ("pass through (before start_step)", "a local step", "a sync")
 
     def moved(self, every: Any, fresh: LocalStepSyncState, move: Any) -> LocalStepSyncState:

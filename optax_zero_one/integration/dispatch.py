@@ -236,6 +236,7 @@ class KindDispatcher:
         self.step: int | None = None
         self.skipped = 0
         self.lost = 0
+        self._compared = False  # the workers' shared values compared since the last restore
 
     def next_kind(self, state: Any) -> StepKind:
         """The kind the next call with ``state`` will run (reads the counter if ``state`` is
@@ -406,6 +407,9 @@ class KindDispatcher:
             self._since_check = 0
             counts = _first_shard(counts) if self._counted else _host_counts(counter, refused)
             counts.copy_to_host_async()
+            if not self._compared and not kind.phase_a:  # once: local steps have begun
+                self._compared = True
+                check_workers_agree(out[self._state_index], counter, self.step)
         self._pending.append(_Pending(self.step, kind, counts, checked))
         self._last_counter, self._last_refused = counter, refused
         self.step += 1
@@ -482,6 +486,7 @@ class KindDispatcher:
             self.step = int(self._confirmed[0]) + 1
             self._last_counter, self._last_refused = counter, refused
             self._since_check = 0
+            self._compared = False
 
     def _settle(self, window: list[_Pending]) -> None:
         """Checks the steps of ``window`` against the counts after its last one."""
@@ -529,6 +534,54 @@ class KindDispatcher:
             later.stale = not taken
             count += taken
         self.step = count + 1
+
+
+def check_workers_agree(state: Any, counter: Any, step: int | None = None) -> None:
+    """Raises ``ValueError`` if the values every worker must hold alike (the ``SHARED`` fields
+    of the states in ``state``: ``local_step_sync``'s last synchronised point) differ between
+    the workers this process holds, compared on up to 64 elements of each leaf per worker.
+
+    Nothing in the compiled programs can see it (that would take a collective per step), and
+    it does not heal: workers that did not start from the same params, or a ``start_step``
+    whose inner transform does not average, train apart for good while every step succeeds.
+    A dispatcher calls this once, on the first checked step after local steps begin (a read
+    back from the device, once per run or restore). ``counter`` (the state's step counter) says
+    where the workers are: a leading axis of one entry per worker (then maybe one per model
+    shard: values are compared between shards of the same block only), or none (one worker:
+    nothing to compare).
+    """
+    workers = np.shape(counter)[0] if np.ndim(counter) else 0  # (workers, model shards...)
+    for cls, value in _graph.shared_values(state):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            if workers < 2 or not isinstance(leaf, jax.Array) or np.shape(leaf)[:1] != (workers,):
+                continue
+            rows: dict[tuple, list] = {}  # by where the shard is, besides the worker axis
+            for shard in leaf.addressable_shards:
+                data = shard.data.reshape(shard.data.shape[0], -1)
+                if not data.shape[1]:
+                    continue
+                stride = max(1, data.shape[1] // 64)
+                sample = np.asarray(data[:, ::stride][:, :64])
+                first = shard.index[0].start or 0
+                where = tuple((s.start, s.stop) for s in shard.index[1:])
+                rows.setdefault(where, []).extend(
+                    (first + r, sample[r].tobytes()) for r in range(sample.shape[0])
+                )
+            for found in rows.values():
+                differs = [w for w, b in found if b != found[0][1]]
+                if differs:
+                    at = "" if step is None else f" at step {step}"
+                    raise ValueError(
+                        f"The workers train apart: {cls.__name__}.{cls.SHARED}"
+                        f"{jax.tree_util.keystr(path)} (the last synchronised point, the same "
+                        f"on every worker by design) differs between worker {found[0][0]} and "
+                        f"worker {differs[0]}{at}, and no later sync brings them together. "
+                        "Either the workers did not start from the same params (build them "
+                        "with ozo.replicate(params, num_workers) or dp.to_workers(params), "
+                        "not with a key per worker), or a local_step_sync / diloco with "
+                        "start_step > 0 has an inner transform that does not average up to "
+                        "start_step (docs/diloco.md shows one that does)."
+                    )
 
 
 def dispatch_by_kind(
