@@ -42,8 +42,11 @@ CASES = {
 
 
 def params0():
+    """The same params on every worker (a dispatcher raises once workers that started apart
+    reach local steps)."""
     rng = np.random.default_rng(0)
-    return {k: jnp.asarray(rng.standard_normal((N, *s)), jnp.float32) for k, s in SHAPES.items()}
+    return {k: jnp.asarray(np.repeat(rng.standard_normal(s)[None], N, 0), jnp.float32)
+            for k, s in SHAPES.items()}  # fmt: skip
 
 
 def grads_at(k):
