@@ -550,7 +550,9 @@ def measure_steps(tree: dict, workers: int, repeats: int, log: Callable) -> dict
             tree,
         )
 
-    params0, grads = stacked(1.0), stacked(1e-2)
+    # the same params on every worker, as a run starts (the dispatcher checks it), own grads
+    params0 = jax.tree.map(lambda x: jnp.repeat(x[:1], workers, axis=0), stacked(1.0))
+    grads = stacked(1e-2)
     fresh_params = lambda: _copy(params0)  # noqa: E731
 
     def baseline(name: str, average: bool) -> Program:
