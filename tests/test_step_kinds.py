@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from support.kinds import kind_index
+from support.mapping import mapped
 
 import optax_zero_one as ozo
 from optax_zero_one.core import _graph
@@ -208,6 +209,34 @@ def test_dispatch_follows_the_schedule_with_one_program_per_kind(name):
     for program in run.programs.values():
         assert program._cache_size() == 1  # and never again
     assert ozo.step_count(s2) == 29 and run.skipped == 0 and run.lost == 0
+
+
+@pytest.mark.parametrize("mode", ["vmap", "pmap", "shard_map"])
+def test_dispatch_stops_workers_that_train_apart(mode):
+    """Workers that start from different params keep different anchors for good while every
+    step succeeds; a dispatched run compares them once, at its first check after local steps
+    begin (step 9 here: the first check at step 8 is still phase A), under every mapping."""
+    tx = zero_one()
+    run_apart = None
+    for apart in (False, True):
+        params = params0()
+        if apart:
+            params = jax.tree.map(lambda x: x.at[1].add(1e-3), params)
+
+        def compile_kind(kind):
+            return mapped(lambda p, s, g, kind=kind: _step(tx, p, s, g, kind), mode, N)
+
+        run = ozo.dispatch_by_kind(compile_kind, SCHEDULE)
+        state = mapped(tx.init, mode, N)(params)
+        try:
+            for k in range(1, 21):
+                params, state = run(params, state, grads_at(k))
+            run.settle()
+        except ValueError as err:
+            run_apart = (k, str(err))
+        assert (run_apart is None) != apart
+    k, message = run_apart
+    assert 9 <= k <= 16 and "train apart" in message and "and worker 1 at step" in message
 
 
 def _dispatcher(tx, schedule, compiled=None):

@@ -557,13 +557,15 @@ def check_workers_agree(state: Any, counter: Any, step: int | None = None) -> No
                 continue
             rows: dict[tuple, list] = {}  # by where the shard is, besides the worker axis
             for shard in leaf.addressable_shards:
-                data = shard.data.reshape(shard.data.shape[0], -1)
-                if not data.shape[1]:
+                lead, *rest = shard.index  # slices, or an int where a sharding drops the axis
+                if not shard.data.size:
                     continue
+                count = shard.data.shape[0] if isinstance(lead, slice) else 1
+                data = shard.data.reshape(count, -1)
                 stride = max(1, data.shape[1] // 64)
                 sample = np.asarray(data[:, ::stride][:, :64])
-                first = shard.index[0].start or 0
-                where = tuple((s.start, s.stop) for s in shard.index[1:])
+                first = (lead.start or 0) if isinstance(lead, slice) else int(lead)
+                where = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in rest)
                 rows.setdefault(where, []).extend(
                     (first + r, sample[r].tobytes()) for r in range(sample.shape[0])
                 )
