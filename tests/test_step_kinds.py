@@ -598,26 +598,42 @@ SINGLE = {
 }
 
 
+SINGLE["zero_one_adam_psum"] = lambda **kw: SINGLE["zero_one_adam"](collective="psum", **kw)
+SINGLE["diloco_psum"] = lambda **kw: ozo.diloco(
+    optax.adamw(1e-3), optax.sgd(0.7), 4, kw.pop("axis_name", None), collective="psum", **kw
+)
+
+
 @pytest.mark.parametrize("name", SINGLE)
-@pytest.mark.parametrize("workers", [None, 4])
+@pytest.mark.parametrize("workers", [None, 4, "in_map"])
 def test_tree_map_params_works_on_every_state(name, workers):
     """``optax.tree_map_params`` (how frameworks derive the state's shardings): params-like
     trees are mapped; the flat buffers of ``flatten`` are not params-like and go to
-    ``transform_non_params``."""
-    kw = {} if workers is None else {"axis_name": AXIS, "num_workers": workers}
+    ``transform_non_params``. ``"in_map"``: built as the docs build it (an axis, no
+    ``num_workers``), its state made by ``init`` where the axis is bound, mapped outside."""
+    kw = {} if workers is None else {"axis_name": AXIS}
+    if workers == 4:
+        kw["num_workers"] = 4
     if name == "frozen_variance":
         kw = {}
     tx = SINGLE[name](**kw)
     params = {"w": jnp.ones((6, 3)), "b": jnp.ones(5)}
-    state = tx.init(params)
+    if workers == "in_map" and kw:
+        state = jax.vmap(tx.init, axis_name=AXIS, axis_size=4, in_axes=None)(params)
+        state = jax.tree.map(lambda x: x[0], state)  # one worker's
+    else:
+        state = tx.init(params)
     marked = optax.tree_map_params(
         tx, lambda p: "param", state, transform_non_params=lambda x: "other"
     )
     leaves = jax.tree.leaves(marked)
     assert len(leaves) == len(jax.tree.leaves(state))
+    jax.tree.map(lambda mark, x: None, marked, state)  # a prefix of the state, as shardings are
     mapped = [x for x in leaves if x == "param"]
     if name == "frozen_variance":
         assert len(mapped) == 2 * len(params)  # mu and nu, leaf by leaf
+    elif name.startswith("diloco"):  # the anchor and AdamW's moments, leaf by leaf
+        assert len(mapped) >= 3 * len(params) and set(leaves) == {"param", "other"}
     else:  # flat buffers (error feedback, or all of flatten's) and counters
         assert not mapped and set(leaves) == {"other"}
 

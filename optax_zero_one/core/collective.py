@@ -99,19 +99,33 @@ def init_state(params: Any, comm: Comm) -> OnebitMeanState:
     """The zero error buffers for ``params`` (a tree or a flat buffer) on the workers of
     ``comm``, as a transform's ``init`` makes them."""
     workers = comm.init_workers(params)
-    fast = _checks.fast_size(comm.axes, comm.num_workers)
     if _checks.is_placeholder(params):  # no parameters: the state's structure only
-        # (optax.tree_map_params uses it as a prefix of the real state: a leaf stands for a
-        # buffer or a FlatTree; where the real state has no buffer, neither does this)
-        stand_in = jnp.zeros((0,))
-        if workers // fast == 1:
-            return OnebitMeanState(_no_buffer(), _no_buffer())
-        server = stand_in if fast > 1 or comm.collective != "psum" else _no_buffer()
-        return OnebitMeanState(stand_in, server)
+        return _placeholder_errors(comm)
+    fast = _checks.fast_size(comm.axes, comm.num_workers)
     # in the dtype the compressed mean computes in (float32, or float64 for float64 params
     # under jax_enable_x64: float32 buffers there made a conditional's branches disagree)
     dtype = flat.compute_dtype(params)
     return init_errors(flat.layout_of(params, workers), comm.collective, dtype, fast=fast)
+
+
+def _placeholder_errors(comm: Comm) -> OnebitMeanState:
+    """The error state's structure for ``optax.tree_map_params``, which initialises with a
+    placeholder for the params and uses the result as a prefix of the real state: a leaf
+    stands for a buffer (an array or a ``FlatTree``), and where the real state has no buffer
+    (``optax.EmptyState()``) so does this one. Outside the workers' context without
+    ``num_workers`` the worker count is not known: buffers are assumed (several workers; were
+    there one, the prefix has a leaf where the state has an empty subtree, which still maps)."""
+    stand_in = jnp.zeros((0,))  # never saved: a structure, not a state
+    try:
+        workers = _checks.resolve_num_workers(comm.axes, comm.num_workers)
+        fast = _checks.fast_size(comm.axes, comm.num_workers)
+    except ValueError:  # not known here
+        workers, fast = None, None
+    if workers is not None and workers // fast == 1:
+        return OnebitMeanState(_no_buffer(), _no_buffer())
+    if comm.collective == "psum" and not isinstance(comm.axes, tuple):
+        return OnebitMeanState(stand_in, _no_buffer())
+    return OnebitMeanState(stand_in, stand_in)
 
 
 def _check_errors(layout: Layout, errors: OnebitMeanState, collective: str, fast: int) -> None:
