@@ -102,6 +102,43 @@ def test_synchronized_params_are_the_params_outside_local_steps():
         np.testing.assert_array_equal(out["w"], moved["w"])
 
 
+@pytest.mark.parametrize("how", ["masked", "multi_transform"])
+def test_synchronized_params_of_an_optimizer_over_part_of_the_tree(how):
+    """0/1 Adam on some leaves (``optax.masked``, or ``optax.multi_transform`` beside SGD):
+    between syncs those leaves come from the anchor, the same on every worker; the others are
+    the params as they are."""
+    zero_one = ozo.zero_one_adam(0.05, axis_name=AXIS, **SCHEDULE)
+    labels = {"w": "zero_one", "b": "sgd", "e": "zero_one"}
+    if how == "masked":
+        tx = optax.masked(zero_one, {k: v == "zero_one" for k, v in labels.items()})
+    else:
+        tx = optax.multi_transform({"zero_one": zero_one, "sgd": optax.sgd(0.05)}, labels)
+    rng = np.random.default_rng(1)
+    shapes = {"w": (6, 5), "b": (7,), "e": (3, 2)}
+    x = {k: jnp.asarray(np.repeat(rng.standard_normal(s)[None], N, 0), jnp.float32)
+         for k, s in shapes.items()}  # fmt: skip
+    state = mapped(tx.init, "vmap", N)(x)
+    step = mapped(lambda x, s, g: (lambda u, s: (optax.apply_updates(x, u), s))(
+        *tx.update(g, s, x)), "vmap", N)  # fmt: skip
+    schedule = ozo.StepSchedule(VARIANCE, LOCAL)
+    for k in range(1, 18):
+        kind = schedule.kind(k).name
+        grads = {
+            n: jnp.asarray(rng.standard_normal((N, *s)), jnp.float32) for n, s in shapes.items()
+        }
+        x, state = step(x, state, grads)
+        if kind == "sync":
+            synced_at = jax.tree.map(np.asarray, x)
+    assert kind == "local"  # step 17: between syncs, the workers apart
+    out = ozo.synchronized_params(x, state)
+    for name in ("w", "e"):  # from the anchor: the last sync's point, on every worker
+        assert not np.allclose(x[name][0], x[name][1])
+        np.testing.assert_array_equal(out[name], np.broadcast_to(out[name][0], out[name].shape))
+        # the params after a sync are x + (xbar - x) in float32: xbar to the last bit
+        np.testing.assert_allclose(out[name], synced_at[name], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(out["b"], x["b"])  # SGD's leaf: the params as they are
+
+
 def test_synchronized_params_rejects_two_zero_one_states():
     tx = optax.chain(ozo.zero_one_adam(0.1), ozo.zero_one_adam(0.1))
     params = {"w": jnp.zeros(3)}

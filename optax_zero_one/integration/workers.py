@@ -129,12 +129,25 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
     if not found:
         _graph.check_not_nnx_state(opt_state, "synchronized_params")
         return params
-    if len(found) > 1:
-        raise ValueError("opt_state holds more than one LocalStepSyncState; pass the one to use.")
-    state = found[0]
+    covered: set[str] = set()
+    for state in found:  # several: e.g. optax.multi_transform of 0/1 Adam on two partitions
+        params, paths = _at_anchor(params, state)
+        if covered & paths:
+            raise ValueError(
+                "opt_state holds more than one LocalStepSyncState over the same params; pass "
+                "the one to use."
+            )
+        covered |= paths
+    return params
+
+
+def _at_anchor(params: Any, state: LocalStepSyncState) -> tuple[Any, set[str]]:
+    """``params`` with the leaves ``state`` synchronises taken from its anchor once anchored
+    (every leaf, or, where the optimizer updates part of the tree: ``optax.masked``,
+    ``optax.multi_transform``, the leaves at the anchor's key paths), and those leaves' paths."""
     anchor = state.anchor
-    if isinstance(anchor, FlatTree):  # in the params' structure (wrapper nodes may differ)
-        anchor = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(anchor.to_tree()))
+    if isinstance(anchor, FlatTree):
+        anchor = anchor.to_tree()
     anchored = jnp.asarray(state.anchored)
 
     def pick(x: Any, a: Any) -> Any:
@@ -142,4 +155,20 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
         flag = anchored.reshape(anchored.shape + (1,) * (a.ndim - anchored.ndim))
         return jnp.where(flag, a.astype(x.dtype), x)
 
-    return jax.tree.map(pick, params, anchor)
+    key = jax.tree_util.keystr
+    paths = [key(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    leaves, anchors = jax.tree.leaves(params), jax.tree.leaves(anchor)
+    if len(leaves) == len(anchors):  # the whole tree (wrapper nodes may differ)
+        picked = [pick(x, a) for x, a in zip(leaves, anchors, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(params), picked), set(paths)
+    at = {key(path): a for path, a in jax.tree_util.tree_leaves_with_path(anchor)}
+    unknown = sorted(set(at) - set(paths))
+    if unknown:
+        raise ValueError(
+            f"opt_state's last synchronised point holds leaves {unknown[:3]} that params has "
+            "not: pass the params this optimizer updates (the whole tree given to update)."
+        )
+    picked = jax.tree_util.tree_map_with_path(
+        lambda path, x: pick(x, at[key(path)]) if key(path) in at else x, params
+    )
+    return picked, set(at)
