@@ -56,9 +56,10 @@ def diloco(
       sync_every: ``H``, the inner steps per outer step; ``>= 1``.
       axis_name: the worker axis, or ``None`` for one worker.
       collective: how ``delta`` is averaged: ``"float"`` (exact float32, ~32 bits per element
-        each way), ``"two_phase"`` or ``"psum"`` (1-bit with error feedback, ~2 or 4-8 bits).
+        each way), ``"two_phase"`` or ``"psum"`` (1-bit with error feedback; each worker sends
+        up to 2 bits per element, or ``2 (N - 1) / N * ceil(log2(N + 1))``: 7 at 8 workers).
       start_step: steps before local steps begin, on which ``inner`` itself must average
-        across workers (unchecked), e.g. ``optax.chain(ozo.scheduled_mean(axis_name,
+        across workers (a dispatched run checks it once), e.g. ``optax.chain(ozo.scheduled_mean(axis_name,
         ozo.FullPrecisionWarmup(start_step), compressed_steps=False), optax.adamw(...))``;
         ``0``: local from the start.
       mask: optional tree of 0/1 like the params, multiplying the averaged delta.

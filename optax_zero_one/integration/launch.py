@@ -322,6 +322,7 @@ def run_module(module: str, args: Sequence[str]) -> None:
     except SystemExit as exit_:
         code = exit_.code
         if code is None or code == 0:
+            _check_joined(module)
             return
         _note_failure()
         if not isinstance(code, int):
@@ -332,6 +333,26 @@ def run_module(module: str, args: Sequence[str]) -> None:
         _note_failure()
         traceback.print_exc()
         _exit_now(1)
+    else:
+        _check_joined(module)
+
+
+def _check_joined(module: str) -> None:
+    """After a clean run: fails the process if the module used JAX without joining the job
+    (each process then trained alone, as a job of one, and the launcher would report success)."""
+    expected = int(os.environ.get(distributed.NUM_PROCESSES, "1"))
+    jax_module = sys.modules.get("jax")
+    if expected < 2 or jax_module is None or jax_module.process_count() == expected:
+        return
+    _note_failure()
+    print(
+        f"[launch] {module} ran as a job of {jax_module.process_count()} process, not of the "
+        f"{expected} the launcher started: it never joined the job, so each process trained "
+        "alone. Call optax_zero_one.initialize_from_env() first thing in the module, before "
+        "any JAX computation.",
+        file=sys.stderr,
+    )
+    _exit_now(1)
 
 
 def _note_failure() -> None:
