@@ -59,8 +59,9 @@ def diloco(
         each way), ``"two_phase"`` or ``"psum"`` (1-bit with error feedback; each worker sends
         up to 2 bits per element, or ``2 (N - 1) / N * ceil(log2(N + 1))``: 7 at 8 workers).
       start_step: steps before local steps begin, on which ``inner`` itself must average
-        across workers (a dispatched run checks it once), e.g. ``optax.chain(ozo.scheduled_mean(axis_name,
-        ozo.FullPrecisionWarmup(start_step), compressed_steps=False), optax.adamw(...))``;
+        across workers (a dispatched run checks it once), e.g.
+        ``optax.chain(ozo.scheduled_mean(axis_name, ozo.FullPrecisionWarmup(start_step),
+        compressed_steps=False), optax.adamw(...))``;
         ``0``: local from the start.
       mask: optional tree of 0/1 like the params, multiplying the averaged delta.
       num_workers: needed only when ``init`` runs outside the mapped context.
