@@ -267,6 +267,21 @@ def test_workers_that_start_apart_are_caught_once_local_steps_begin(model):
     assert first_b <= at < first_b + 8  # at its first check in phase B
 
 
+def test_tree_map_params_on_a_model_sharded_state(two_d):
+    """optax.tree_map_params (how frameworks derive the state's shardings) on dp.optimizer's
+    state of model-sharded params: it initialised with optax's placeholder for the params and
+    said the DataParallel had been built from other params."""
+    dp, tx, params_w, state, _, _ = two_d
+    assert dp.model_sharded and ozo.core._graph.nodes_of(
+        state, ozo.integration.workers.ShardLocalState
+    )
+    marked = optax.tree_map_params(
+        tx, lambda p: "param", state, transform_non_params=lambda x: "other"
+    )
+    assert len(jax.tree.leaves(marked)) == len(jax.tree.leaves(state))
+    jax.tree.map(lambda mark, x: None, marked, state)  # a prefix of the state, as shardings are
+
+
 def test_two_d_mesh_keeps_params_and_state_sharded(two_d):
     dp, tx, params_w, state, losses, train = two_d
     for name, spec in SPECS.items():

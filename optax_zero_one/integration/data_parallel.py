@@ -37,7 +37,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one.core import _graph
+from optax_zero_one.core import _checks, _graph
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
@@ -209,6 +209,8 @@ class DataParallel:
             return values, treedef
 
         def init_fn(params: Any) -> ShardLocalState:
+            if _checks.is_placeholder(params):  # optax.tree_map_params: the structure only
+                return ShardLocalState(tx.init(params))
             values, treedef = leaves(params, "params")
             init = lambda p: _stack(tx.init(jax.tree.unflatten(treedef, p)))  # noqa: E731
             return ShardLocalState(self._per_shard(init, (specs,), stack)(values))
