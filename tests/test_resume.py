@@ -229,6 +229,36 @@ def test_every_optimizer_s_state_round_trips_through_orbax(tmp_path, workers):
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_one_worker_checkpoints_are_checked_and_moved_like_the_others(tmp_path):
+    """A state of an optimizer built with axis_name=None (one worker: a Colab run) has no
+    worker axis; check_worker_count and reset_compression take it as one worker's."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(5)}
+    one = ozo.zero_one_adam(1e-2, var_freeze_step=2)
+    state = one.init(params)
+    for _ in range(4):  # into phase B
+        updates, state = one.update(jax.tree.map(jnp.ones_like, params), state, params)
+        params = optax.apply_updates(params, updates)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "one", {"params": params, "opt_state": state})
+    checkpointer.wait_until_finished()
+    metadata = checkpointer.metadata(tmp_path / "one")
+    ozo.check_worker_count(metadata, 1)
+    with pytest.raises(ValueError, match="saved by 1 worker, but this run has 4"):
+        ozo.check_worker_count(metadata, 4)
+    # onto 4 workers and back onto one
+    four = ozo.zero_one_adam(1e-2, var_freeze_step=2, axis_name=AXIS)
+    fresh = jax.vmap(four.init, axis_name=AXIS)(ozo.replicate(params, 4))
+    params_4, state_4 = ozo.reset_compression(params, state, fresh)
+    assert ozo.integration.checkpoint.worker_count((params_4, state_4)) == 4
+    assert jax.tree.structure(state_4) == jax.tree.structure(fresh)
+    params_1, state_1 = ozo.reset_compression(params_4, state_4, one.init(params))
+    assert jax.tree.structure(state_1) == jax.tree.structure(state)
+    assert ozo.step_count(state_1) == ozo.step_count(state) == 4
+    for a, b in zip(jax.tree.leaves(params_1), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)  # the synchronised point, back as it was
+
+
 def test_worker_count_reads_an_orbax_checkpoints_metadata(tmp_path):
     """What a user has before restoring: Orbax's metadata of the saved step (its tree is in
     ``item_metadata``; the other fields are scalars such as the save time)."""
@@ -244,8 +274,8 @@ def test_worker_count_reads_an_orbax_checkpoints_metadata(tmp_path):
         ozo.check_worker_count(metadata, 8)
     with pytest.raises(ValueError, match="disagree"):
         ozo.integration.checkpoint.worker_count({"a": jnp.zeros((4, 2)), "b": jnp.zeros((3,))})
-    with pytest.raises(ValueError, match="scalar"):
-        ozo.integration.checkpoint.worker_count({"a": jnp.zeros(())})
+    # a scalar leaf: one worker's tree (an optimizer built with axis_name=None), no worker axis
+    assert ozo.integration.checkpoint.worker_count({"a": jnp.zeros(()), "b": jnp.zeros(5)}) == 1
     with pytest.raises(ValueError, match="no arrays"):
         ozo.integration.checkpoint.worker_count({"a": None})
     other = ozo.replicate(ozo.onebit_adam(0.1, axis_name="w", num_workers=2).init(params), 2)

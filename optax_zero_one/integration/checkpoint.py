@@ -40,6 +40,13 @@ def _items(tree: Any) -> Any:
     return tree if items is None else items
 
 
+def _one_worker(tree: Any) -> bool:
+    """Whether ``tree`` is one worker's, without a worker axis: it has a scalar leaf (a state in
+    the worker layout has none; one worker's optimizer state has its scalar counters)."""
+    leaves = jax.tree.leaves(_items(tree))
+    return any(not tuple(getattr(leaf, "shape", np.shape(leaf))) for leaf in leaves)
+
+
 def worker_count(tree: Any) -> int:
     """The number of workers of a tree in the worker layout: the common leading axis size.
 
@@ -49,26 +56,25 @@ def worker_count(tree: Any) -> int:
         ``ArrayMetadata`` from ``CheckpointManager.item_metadata(step)``); or Orbax's metadata
         of a whole step (``StandardCheckpointer().metadata(path)``), read for its tree.
 
+    A tree with a scalar leaf is one worker's, with no worker axis (the state of an optimizer
+    built with ``axis_name=None``: its counters are scalars): 1.
+
     Returns:
-      The size of the leading axis, identical on every leaf.
+      The size of the leading axis, identical on every leaf (1 for one worker's tree).
 
     Raises:
-      ValueError: if the tree holds no arrays, a leaf is a scalar, or leaves disagree.
+      ValueError: if the tree holds no arrays, or the leaves' leading axes disagree.
 
     Example:
       >>> worker_count(ozo.replicate({"w": jnp.zeros(3)}, 4))
       4
     """
+    if _one_worker(tree):
+        return 1
     counts: dict[int, str] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree)):
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        where = jax.tree_util.keystr(path) or "(root)"
-        if not shape:
-            raise ValueError(
-                f"Leaf {where} is a scalar, so the tree is not in the worker layout (every leaf "
-                "needs a leading worker axis; see optax_zero_one.replicate)."
-            )
-        counts.setdefault(shape[0], where)
+        counts.setdefault(shape[0], jax.tree_util.keystr(path) or "(root)")
     if not counts:
         raise ValueError("The tree holds no arrays, so it says nothing about the worker count.")
     if len(counts) > 1:
@@ -106,13 +112,14 @@ def check_worker_count(tree: Any, num_workers: int) -> None:
         return
     saved = worker_count(tree)
     if saved != num_workers:
+        workers_ = lambda n: f"{n} worker" + ("s" if n != 1 else "")  # noqa: E731
         raise ValueError(
-            f"This state was saved by {saved} workers, but this run has {num_workers}. Each "
+            f"This state was saved by {workers_(saved)}, but this run has {num_workers}. Each "
             "worker's error-feedback buffers (and 0/1 Adam's params during "
             "local steps) belong to that worker and are sized for the worker count, so they "
-            f"cannot be split or merged exactly. Resume with {saved} workers for a bitwise-exact "
+            f"cannot be split or merged exactly. Resume with {workers_(saved)} for a bitwise-exact "
             "continuation, or opt in to a fresh compression state: restore the checkpoint for "
-            f"{saved} workers and pass it to optax_zero_one.reset_compression(params, opt_state, "
+            f"{workers_(saved)} and pass it to optax_zero_one.reset_compression(params, opt_state, "
             f"fresh_state) with this run's freshly initialised state for {num_workers} workers "
             "(training continues from the last synchronised point; not bit-identical)."
         )
@@ -151,7 +158,9 @@ def reset_compression(
       opt_state: the matching optimizer state, restored for ``N`` workers.
       fresh_state: this run's optimizer state as ``init`` makes it for ``M`` workers, in the
         worker layout (the state you would otherwise restore into). It supplies ``M`` and the
-        shape and placement of every buffer.
+        shape and placement of every buffer. One worker's trees (an optimizer built with
+        ``axis_name=None``, no worker axis) are taken as they are, for ``params`` and
+        ``opt_state`` or for ``fresh_state`` (then the result is one worker's too).
       sharding: where to put the params (default: where ``fresh_state``'s first leaf is, e.g.
         ``NamedSharding(mesh, P(axis_name))``).
 
@@ -170,6 +179,12 @@ def reset_compression(
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009; DeepSpeed's load path resets the same buffers.
     """
+    # one worker's trees (axis_name=None: no worker axis) go through as one row
+    if _one_worker((params, opt_state)):
+        params, opt_state = workers.replicate(params, 1), workers.replicate(opt_state, 1)
+    one_out = _one_worker(fresh_state)
+    if one_out:
+        fresh_state = workers.replicate(fresh_state, 1)
     worker_count((params, opt_state))  # the layout must be consistent before we slice it
     num_workers = worker_count(fresh_state)
     full = jax.tree.map(np.asarray, opt_state)
@@ -191,6 +206,8 @@ def reset_compression(
             for x, where in zip(leaves, placements)
         ],
     )
+    if one_out:
+        return jax.tree.map(jnp.asarray, params0), jax.tree.map(lambda x: x[0], state)
     sharding = sharding or next((s for s in placements if s is not None), None)
     return workers.replicate(params0, num_workers, sharding), state
 
