@@ -239,6 +239,25 @@ def test_dispatch_stops_workers_that_train_apart(mode):
     assert 9 <= k <= 16 and "train apart" in message and "and worker 1 at step" in message
 
 
+def test_dispatch_of_a_vmapped_ensemble_of_one_worker_optimizers_is_not_stopped():
+    """``jax.vmap`` over independent models (a sweep), each optimizer built for one worker:
+    the leading axis is not a worker axis, and the models' anchors differ by design."""
+    tx = ozo.zero_one_adam(0.05, axis_name=None, **{
+        "var_freeze_step": 8, "var_update_scaler": 2, "local_step_scaler": 2,
+        "local_step_clipper": 4})  # fmt: skip
+    schedule = ozo.zero_one_schedule(8, 2, 2, 4)
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind))), schedule
+    )
+    rng = np.random.default_rng(3)
+    params = {k: jnp.asarray(rng.standard_normal((N, *s)), jnp.float32) for k, s in SHAPES.items()}
+    state = jax.vmap(tx.init)(params)
+    for k in range(1, 21):
+        params, state = run(params, state, grads_at(k))
+    run.settle()
+    assert ozo.step_count(state) == 20
+
+
 def _dispatcher(tx, schedule, compiled=None):
     def compile_kind(kind):
         if compiled is not None:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_zero_one.core import _graph, kinds
+from optax_zero_one.core import _graph, flat, kinds
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 
 
@@ -409,7 +409,7 @@ class KindDispatcher:
             counts.copy_to_host_async()
             if not self._compared and not kind.phase_a:  # once: local steps have begun
                 self._compared = True
-                check_workers_agree(out[self._state_index], counter, self.step)
+                check_workers_agree(out[self._state_index], counter, self.step, self._counted)
         self._pending.append(_Pending(self.step, kind, counts, checked))
         self._last_counter, self._last_refused = counter, refused
         self.step += 1
@@ -536,7 +536,9 @@ class KindDispatcher:
         self.step = count + 1
 
 
-def check_workers_agree(state: Any, counter: Any, step: int | None = None) -> None:
+def check_workers_agree(
+    state: Any, counter: Any, step: int | None = None, worker_axis: bool = False
+) -> None:
     """Raises ``ValueError`` if the values every worker must hold alike (the ``SHARED`` fields
     of the states in ``state``: ``local_step_sync``'s last synchronised point) differ between
     the workers this process holds, compared on up to 64 elements of each leaf per worker.
@@ -548,9 +550,15 @@ def check_workers_agree(state: Any, counter: Any, step: int | None = None) -> No
     back from the device, once per run or restore). ``counter`` (the state's step counter) says
     where the workers are: a leading axis of one entry per worker (then maybe one per model
     shard: values are compared between shards of the same block only), or none (one worker:
-    nothing to compare).
+    nothing to compare). Whether that leading axis is the workers' (and not, say, a ``vmap``
+    over independent one-worker models) is read from the state's flat layouts, which record
+    the worker count; without one, only where the caller knows it (``worker_axis``:
+    ``dp.jit``).
     """
     workers = np.shape(counter)[0] if np.ndim(counter) else 0  # (workers, model shards...)
+    layout = flat.find_layout(state)
+    if (layout.num_workers if layout is not None else workers if worker_axis else 1) < 2:
+        return
     for cls, value in _graph.shared_values(state):
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             if workers < 2 or not isinstance(leaf, jax.Array) or np.shape(leaf)[:1] != (workers,):
