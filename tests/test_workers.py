@@ -139,6 +139,26 @@ def test_synchronized_params_of_an_optimizer_over_part_of_the_tree(how):
     np.testing.assert_array_equal(out["b"], x["b"])  # SGD's leaf: the params as they are
 
 
+def test_helpers_refuse_a_state_copied_into_plain_mappings():
+    """nnx.to_pure_dict of an nnx.Optimizer's state, or a checkpoint restored without a target,
+    keeps the fields as plain mappings: synchronized_params returned the current params as if
+    there were no local steps; it and the counters' readers now refuse it."""
+    tx = ozo.zero_one_adam(0.1, var_freeze_step=2)
+    params = {"w": jnp.zeros(3)}
+
+    def plain(x):
+        if hasattr(x, "_asdict"):
+            return {k: plain(v) for k, v in x._asdict().items()}
+        if isinstance(x, tuple | list):
+            return [plain(v) for v in x]
+        return x
+
+    state = plain(tx.init(params))
+    for helper in (lambda s: ozo.synchronized_params(params, s), ozo.step_count, ozo.check_hints):
+        with pytest.raises(ValueError, match="plain mappings .*optimizer.opt_state"):
+            helper(state)
+
+
 def test_synchronized_params_rejects_two_zero_one_states():
     tx = optax.chain(ozo.zero_one_adam(0.1), ozo.zero_one_adam(0.1))
     params = {"w": jnp.zeros(3)}

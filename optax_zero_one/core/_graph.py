@@ -501,19 +501,41 @@ def _hooked(state: Any, hook: str) -> list[tuple[type, Any]]:
 
 
 def check_not_nnx_state(state: Any, what: str) -> None:
-    """Raises ``ValueError`` if ``state`` is (or holds) a Flax NNX ``State``: ``nnx.state`` of
-    an ``nnx.Optimizer`` stores the optimizer's state classes as plain mappings, so no hook can
-    be found in it, and ``what`` would silently treat a 0/1 Adam state as one without local steps
-    or counters."""
+    """Raises ``ValueError`` if ``state`` is (or holds) a Flax NNX ``State`` or a plain-mapping
+    copy of this library's states (``nnx.to_pure_dict``, a checkpoint restored without a
+    target): the state classes are gone, so no hook can be found, and ``what`` would silently
+    treat a 0/1 Adam state as one without local steps or counters."""
     nodes = jax.tree.leaves(state, is_leaf=lambda x: type(x).__module__.startswith("flax.nnx"))
     if any(type(x).__module__.startswith("flax.nnx.statelib") for x in nodes):
-        raise ValueError(
-            f"{what} got a Flax NNX State (nnx.state of an nnx.Optimizer), which keeps the "
-            "optimizer's state as plain mappings: the step counter and the last synchronised "
-            "point cannot be found in it (worker 0's unsynchronised params would come back). "
-            "Keep optax's own state beside the model instead: nnx.split the model and call "
-            "tx.init / tx.update yourself (docs/jit.md, 'Flax NNX'; examples/nnx_shard_map.py)."
-        )
+        found = "a Flax NNX State (nnx.state of an nnx.Optimizer, which keeps optax's state "
+        found += "as plain mappings)"
+    elif _plain_copy(state):
+        found = "an optimizer state as plain mappings (nnx.to_pure_dict, or a checkpoint restored "
+        found += "without a target)"
+    else:
+        return
+    raise ValueError(
+        f"{what} got {found}: without the state classes the step counter and the last "
+        "synchronised point cannot be found in it (worker 0's "
+        "unsynchronised params would come back). Pass optax's own state: an nnx.Optimizer's "
+        "optimizer.opt_state, or the state restored into the structure tx.init makes "
+        "(docs/reliability.md; docs/jit.md, 'Flax NNX')."
+    )
+
+
+def _plain_copy(state: Any) -> bool:
+    """Whether ``state`` holds a mapping with a ``refused_hint`` entry: one of this library's
+    hooked states copied into plain mappings."""
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict) or (hasattr(node, "keys") and hasattr(node, "values")):
+            if "refused_hint" in node:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, tuple | list):
+            stack.extend(node)
+    return False
 
 
 def step_counter(state: Any) -> Any:

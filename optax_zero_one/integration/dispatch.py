@@ -588,9 +588,12 @@ def check_workers_agree(
                         f"worker {differs[0]}{at}, and no later sync brings them together. "
                         "Either the workers did not start from the same params (build them "
                         "with ozo.replicate(params, num_workers) or dp.to_workers(params), "
-                        "not with a key per worker), or a local_step_sync / diloco with "
+                        "not with a key per worker); or a local_step_sync / diloco with "
                         "start_step > 0 has an inner transform that does not average up to "
-                        "start_step (docs/diloco.md shows one that does)."
+                        "start_step (docs/diloco.md shows one that does); or a wrapper acts "
+                        "on one worker alone: optax.apply_if_finite around the optimizer (it "
+                        "handles non-finite values itself), or a transform after it that "
+                        "changes its updates (docs/usage.md, 'What does not compose')."
                     )
 
 
