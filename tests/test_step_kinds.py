@@ -239,6 +239,42 @@ def test_dispatch_stops_workers_that_train_apart(mode):
     assert 9 <= k <= 16 and "train apart" in message and "and worker 1 at step" in message
 
 
+@pytest.mark.parametrize("wrap", ["none", "scale_after", "apply_if_finite"])
+def test_dispatch_compares_the_params_after_the_first_sync(wrap):
+    """With ``params_index``, the workers' params are compared once, right after the first
+    sync that follows a local step (step 12 here), which lands them all on the same point: a
+    transform after the optimizer that changes its update, or ``optax.apply_if_finite``
+    around it (one worker's NaN leaves that worker a step behind), trained the workers apart
+    without a word. A plain run is not stopped."""
+    tx = ozo.zero_one_adam(0.05, axis_name=AXIS, **{
+        "var_freeze_step": 8, "var_update_scaler": 2, "local_step_scaler": 2,
+        "local_step_clipper": 4})  # fmt: skip
+    schedule = ozo.zero_one_schedule(8, 2, 2, 4)
+    if wrap == "scale_after":
+        tx = optax.chain(tx, optax.scale(0.5))
+    elif wrap == "apply_if_finite":
+        tx = optax.apply_if_finite(tx, 10)
+    run = ozo.dispatch_by_kind(
+        lambda kind: mapped(lambda p, s, g, kind=kind: _step(tx, p, s, g, kind), "vmap", N),
+        schedule,
+        params_index=0,
+    )
+    params = params0()
+    state = mapped(tx.init, "vmap", N)(params)
+    try:
+        for k in range(1, 13):
+            grads = grads_at(k)
+            if wrap == "apply_if_finite" and k == 11:  # one worker's NaN at a local step
+                grads = {n: g.at[2].set(jnp.nan) for n, g in grads.items()}
+            params, state = run(params, state, grads)
+        run.settle()
+    except ValueError as err:
+        assert wrap != "none", err
+        assert "The workers' params differ after the sync of step 12" in str(err)
+        return
+    assert wrap == "none"
+
+
 def test_dispatch_of_a_vmapped_ensemble_of_one_worker_optimizers_is_not_stopped():
     """``jax.vmap`` over independent models (a sweep), each optimizer built for one worker:
     the leading axis is not a worker axis, and the models' anchors differ by design."""

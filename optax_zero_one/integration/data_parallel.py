@@ -387,7 +387,9 @@ class DataParallel:
         if schedule is None:
             return compile_kind(None)
         _check_takes_step_kind(step)
-        return dispatch.KindDispatcher(compile_kind, schedule, counts_in_program=True)
+        return dispatch.KindDispatcher(
+            compile_kind, schedule, counts_in_program=True, params_index=0
+        )
 
     def _check_batch(self, batch: Any) -> None:
         n = self.num_workers

@@ -202,6 +202,7 @@ class KindDispatcher:
         lag: int = 2,
         check_every: int = 8,
         counts_in_program: bool = False,
+        params_index: int | None = None,
     ):
         if not isinstance(schedule, StepSchedule):
             raise ValueError(
@@ -237,6 +238,9 @@ class KindDispatcher:
         self.skipped = 0
         self.lost = 0
         self._compared = False  # the workers' shared values compared since the last restore
+        self._params_index = params_index  # where the params are among the results, if known
+        self._params_compared = False  # the workers' params compared after a sync
+        self._after_local = False  # a local step ran since then
 
     def next_kind(self, state: Any) -> StepKind:
         """The kind the next call with ``state`` will run (reads the counter if ``state`` is
@@ -410,6 +414,13 @@ class KindDispatcher:
             if not self._compared and not kind.phase_a:  # once: local steps have begun
                 self._compared = True
                 check_workers_agree(out[self._state_index], counter, self.step, self._counted)
+        if self._params_index is not None and not self._params_compared:
+            # once, at the first sync after a local step (the workers apart before it): a sync
+            # lands every worker on the same point
+            if kind.sync and self._after_local:
+                self._params_compared = True
+                check_params_agree(out[self._params_index], counter, self.step)
+            self._after_local = self._after_local or not (kind.phase_a or kind.sync)
         self._pending.append(_Pending(self.step, kind, counts, checked))
         self._last_counter, self._last_refused = counter, refused
         self.step += 1
@@ -486,7 +497,7 @@ class KindDispatcher:
             self.step = int(self._confirmed[0]) + 1
             self._last_counter, self._last_refused = counter, refused
             self._since_check = 0
-            self._compared = False
+            self._compared = self._params_compared = self._after_local = False
 
     def _settle(self, window: list[_Pending]) -> None:
         """Checks the steps of ``window`` against the counts after its last one."""
@@ -536,6 +547,36 @@ class KindDispatcher:
         self.step = count + 1
 
 
+def _samples(leaf: jax.Array) -> dict[tuple, list[tuple[int, np.ndarray]]]:
+    """Up to 64 elements of each worker's row of ``leaf`` (leading axis: the workers), from the
+    shards this process holds, grouped by where the shard lies besides the worker axis (model
+    shards hold different values)."""
+    rows: dict[tuple, list[tuple[int, np.ndarray]]] = {}
+    for shard in leaf.addressable_shards:
+        lead, *rest = shard.index  # slices, or an int where a sharding drops the axis
+        if not shard.data.size:
+            continue
+        count = shard.data.shape[0] if isinstance(lead, slice) else 1
+        data = shard.data.reshape(count, -1)
+        stride = max(1, data.shape[1] // 64)
+        sample = np.asarray(data[:, ::stride][:, :64])
+        first = (lead.start or 0) if isinstance(lead, slice) else int(lead)
+        where = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in rest)
+        rows.setdefault(where, []).extend((first + r, sample[r]) for r in range(count))
+    return rows
+
+
+def _worker_leaves(tree: Any, counter: Any) -> list[tuple[Any, jax.Array]]:
+    """``(key path, leaf)`` of the arrays of ``tree`` with a leading axis of one entry per
+    worker (``counter``'s leading axis), none if there is no worker axis."""
+    workers = np.shape(counter)[0] if np.ndim(counter) else 0  # (workers, model shards...)
+    return [
+        (path, leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if workers > 1 and isinstance(leaf, jax.Array) and np.shape(leaf)[:1] == (workers,)
+    ]
+
+
 def check_workers_agree(
     state: Any, counter: Any, step: int | None = None, worker_axis: bool = False
 ) -> None:
@@ -555,30 +596,13 @@ def check_workers_agree(
     the worker count; without one, only where the caller knows it (``worker_axis``:
     ``dp.jit``).
     """
-    workers = np.shape(counter)[0] if np.ndim(counter) else 0  # (workers, model shards...)
     layout = flat.find_layout(state)
-    if (layout.num_workers if layout is not None else workers if worker_axis else 1) < 2:
+    if (layout.num_workers if layout is not None else 2 if worker_axis else 1) < 2:
         return
     for cls, value in _graph.shared_values(state):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-            if workers < 2 or not isinstance(leaf, jax.Array) or np.shape(leaf)[:1] != (workers,):
-                continue
-            rows: dict[tuple, list] = {}  # by where the shard is, besides the worker axis
-            for shard in leaf.addressable_shards:
-                lead, *rest = shard.index  # slices, or an int where a sharding drops the axis
-                if not shard.data.size:
-                    continue
-                count = shard.data.shape[0] if isinstance(lead, slice) else 1
-                data = shard.data.reshape(count, -1)
-                stride = max(1, data.shape[1] // 64)
-                sample = np.asarray(data[:, ::stride][:, :64])
-                first = (lead.start or 0) if isinstance(lead, slice) else int(lead)
-                where = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in rest)
-                rows.setdefault(where, []).extend(
-                    (first + r, sample[r].tobytes()) for r in range(sample.shape[0])
-                )
-            for found in rows.values():
-                differs = [w for w, b in found if b != found[0][1]]
+        for path, leaf in _worker_leaves(value, counter):
+            for found in _samples(leaf).values():
+                differs = [w for w, b in found if b.tobytes() != found[0][1].tobytes()]
                 if differs:
                     at = "" if step is None else f" at step {step}"
                     raise ValueError(
@@ -597,6 +621,36 @@ def check_workers_agree(
                     )
 
 
+def check_params_agree(params: Any, counter: Any, step: int | None = None) -> None:
+    """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
+    the rounding of ``x + (xbar - x)`` in their dtype (a few ulps): a sync lands every worker
+    on the synchronised point, unless something after the optimizer changed its update or a
+    wrapper skipped it on one worker. A dispatcher that knows where the params are calls this
+    once, after the first sync that follows a local step (a read back from the device)."""
+    for path, leaf in _worker_leaves(params, counter):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            continue
+        ulps = 8 * float(jnp.finfo(leaf.dtype).eps)
+        for found in _samples(leaf).values():
+            first = found[0][1].astype(np.float64)
+            scale = max(float(np.max(np.abs(first), initial=0.0)), 1e-30)
+            for worker, row in found[1:]:
+                gap = float(np.max(np.abs(row.astype(np.float64) - first), initial=0.0))
+                if gap > ulps * scale:
+                    at = "" if step is None else f" after the sync of step {step}"
+                    raise ValueError(
+                        f"The workers' params differ{at}: leaf "
+                        f"{jax.tree_util.keystr(path)} of worker {worker} is {gap:.3g} from "
+                        f"worker {found[0][0]}'s, where a sync lands every worker on the same "
+                        "point. Something after the optimizer changed its update (optax.scale, "
+                        "clip, add_decayed_weights, contrib.reduce_on_plateau or lookahead "
+                        "chained after it: chain clipping and weight decay before it), or a "
+                        "wrapper skipped a step on one worker (optax.apply_if_finite: the "
+                        "optimizer handles non-finite values itself). docs/usage.md, 'What "
+                        "does not compose'."
+                    )
+
+
 def dispatch_by_kind(
     compile_kind: Callable[[StepKind], Callable[..., Any]],
     schedule: StepSchedule,
@@ -604,6 +658,7 @@ def dispatch_by_kind(
     state_index: int = 1,
     lag: int = 2,
     check_every: int = 8,
+    params_index: int | None = None,
 ) -> KindDispatcher:
     """A step function that calls, at every step, a program compiled for that step's kind.
 
@@ -626,6 +681,12 @@ def dispatch_by_kind(
         within ``check_every + lag`` steps; after a step every worker skipped (non-finite),
         the steps dispatched before the host learns of it whose kind then differs are not
         applied (``lost``: a few at most, around a change of kind).
+      params_index: the position of the params among the step's results, if it returns them
+        in the worker layout (e.g. ``0``). Then the workers' params are compared once, after
+        the first sync that follows a local step (a sync lands them all on the same point):
+        a transform chained after the optimizer that changes its update, or
+        ``optax.apply_if_finite`` around it, raises there instead of training the workers
+        apart (``docs/usage.md``).
 
     Returns:
       A :class:`KindDispatcher`, called like the step.
@@ -648,4 +709,6 @@ def dispatch_by_kind(
       >>> sorted(step.programs)
       ['compressed', 'local', 'sync', 'variance']
     """
-    return KindDispatcher(compile_kind, schedule, state_index, lag, check_every)
+    return KindDispatcher(
+        compile_kind, schedule, state_index, lag, check_every, params_index=params_index
+    )
