@@ -148,7 +148,8 @@ def main(argv=None):
         return jax.jit(one_kind, donate_argnums=(0, 1))
 
     step_schedule = ozo.zero_one_schedule(**schedule)  # every step's kind, known on the host
-    train_step = ozo.dispatch_by_kind(compile_kind, step_schedule)
+    # params_index: the params come first, compared once across workers after a sync
+    train_step = ozo.dispatch_by_kind(compile_kind, step_schedule, params_index=0)
 
     def synchronized_model(params, opt_state):
         """The model at the last sync point (worker 0's copy): what to evaluate or checkpoint."""

@@ -128,10 +128,13 @@ def main(argv=None):
         )
         return params, opt_state, loss[0], spread(params), spread(synced), synced
 
-    # one program per step kind (compiled at its first use), each step's chosen on the host
+    # one program per step kind (compiled at its first use), each step's chosen on the host;
+    # params_index: the params come first, compared once across workers after a sync
     step_schedule = ozo.zero_one_schedule(**schedule)
     train_step = ozo.dispatch_by_kind(
-        lambda kind: jax.jit(functools.partial(all_workers_step, step_kind=kind)), step_schedule
+        lambda kind: jax.jit(functools.partial(all_workers_step, step_kind=kind)),
+        step_schedule,
+        params_index=0,
     )
 
     # the worker layout, made in one compiled program: a leading axis of n identical copies
