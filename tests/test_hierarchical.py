@@ -104,6 +104,19 @@ def test_mean_on_a_mesh_is_the_reference_and_identical_on_every_worker():
             np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5)
 
 
+def test_an_empty_tree_over_a_hierarchy_passes_through():
+    """No elements at all: the buffers of several nodes have width 0 and are checked as such
+    (taking a zero-size buffer for a missing one refused them)."""
+    tx = ozo.onebit_mean("node", fast_axis_name="local")
+
+    def one(x):
+        return tx.update(x, tx.init(x))[0]
+
+    run = jax.vmap(jax.vmap(one, axis_name="local"), axis_name="node")
+    out = run({"a": jnp.zeros((2, 2, 0))})
+    assert out["a"].shape == (2, 2, 0)
+
+
 def test_error_buffers_are_one_local_th_of_the_flat_ones():
     params = [jnp.zeros(s) for s in SHAPES]
     flat = ozo.onebit_mean("w", num_workers=8).init(params)

@@ -65,11 +65,8 @@ def _no_buffer() -> optax.EmptyState:
 
 
 def _shape(buffer: Any) -> tuple[int, ...] | None:
-    """A buffer's shape, ``None`` where there is none (also a zero-size array: a state made
-    before the buffers that do not exist became empty subtrees)."""
-    if isinstance(buffer, optax.EmptyState) or np.size(buffer) == 0:
-        return None
-    return np.shape(buffer)
+    """A buffer's shape, ``None`` where there is none (``optax.EmptyState()``)."""
+    return None if isinstance(buffer, optax.EmptyState) else np.shape(buffer)
 
 
 def init_errors(
