@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -487,17 +487,22 @@ def shared_values(state: Any) -> list[tuple[type, Any]]:
 def _hooked(state: Any, hook: str) -> list[tuple[type, Any]]:
     """``(state class, the field the class's ``hook`` names)`` of every state in ``state`` that
     declares ``hook``, depth first in tree order (outermost first)."""
-    found: list[tuple[type, Any]] = []
+    return [
+        (type(n), getattr(n, getattr(type(n), hook))) for n in _nodes(state) if _declares(n, hook)
+    ]
+
+
+def _nodes(state: Any) -> Iterator[Any]:
+    """Every node of ``state`` (states, tuples, lists, mappings and their entries), depth first
+    in tree order."""
     stack = [state]
     while stack:
         node = stack.pop()
-        if _declares(node, hook):
-            found.append((type(node), getattr(node, getattr(type(node), hook))))
-        if isinstance(node, dict):
+        yield node
+        if isinstance(node, dict) or (hasattr(node, "keys") and hasattr(node, "values")):
             stack.extend(reversed(list(node.values())))
         elif isinstance(node, tuple | list):
             stack.extend(reversed(node))
-    return found
 
 
 def check_not_nnx_state(state: Any, what: str) -> None:
@@ -526,16 +531,7 @@ def check_not_nnx_state(state: Any, what: str) -> None:
 def _plain_copy(state: Any) -> bool:
     """Whether ``state`` holds a mapping with a ``refused_hint`` entry: one of this library's
     hooked states copied into plain mappings."""
-    stack = [state]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict) or (hasattr(node, "keys") and hasattr(node, "values")):
-            if "refused_hint" in node:
-                return True
-            stack.extend(node.values())
-        elif isinstance(node, tuple | list):
-            stack.extend(node)
-    return False
+    return any(hasattr(n, "keys") and "refused_hint" in n for n in _nodes(state))
 
 
 def step_counter(state: Any) -> Any:
