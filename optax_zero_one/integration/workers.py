@@ -156,19 +156,18 @@ def _at_anchor(params: Any, state: LocalStepSyncState) -> tuple[Any, set[str]]:
         return jnp.where(flag, a.astype(x.dtype), x)
 
     key = jax.tree_util.keystr
-    paths = [key(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
-    leaves, anchors = jax.tree.leaves(params), jax.tree.leaves(anchor)
-    if len(leaves) == len(anchors):  # the whole tree (wrapper nodes may differ)
-        picked = [pick(x, a) for x, a in zip(leaves, anchors, strict=True)]
-        return jax.tree.unflatten(jax.tree.structure(params), picked), set(paths)
-    at = {key(path): a for path, a in jax.tree_util.tree_leaves_with_path(anchor)}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [key(path) for path, _ in flat]
+    anchors = jax.tree_util.tree_leaves_with_path(anchor)
+    if len(anchors) == len(flat):  # the whole tree (wrapper nodes may differ)
+        picked = [pick(x, a) for (_, x), (_, a) in zip(flat, anchors, strict=True)]
+        return jax.tree.unflatten(treedef, picked), set(paths)
+    at = {key(path): a for path, a in anchors}
     unknown = sorted(set(at) - set(paths))
     if unknown:
         raise ValueError(
             f"opt_state's last synchronised point holds leaves {unknown[:3]} that params has "
             "not: pass the params this optimizer updates (the whole tree given to update)."
         )
-    picked = jax.tree_util.tree_map_with_path(
-        lambda path, x: pick(x, at[key(path)]) if key(path) in at else x, params
-    )
-    return picked, set(at)
+    picked = [pick(x, at[p]) if p in at else x for p, (_, x) in zip(paths, flat, strict=True)]
+    return jax.tree.unflatten(treedef, picked), set(at)
