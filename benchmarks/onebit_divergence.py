@@ -125,14 +125,6 @@ def base_config(seed: int, lr: float, **changes: Any) -> Any:
 # --------------------------------------------------------------------------- the text
 
 
-def seen_counts(workload: Any, steps: int, vocab_size: int) -> np.ndarray:
-    """How often each character was an input of the batches of steps ``1..steps``."""
-    seen = np.zeros(vocab_size, np.int64)
-    for i in range(steps):
-        seen += np.bincount(workload.train_batch(i)[..., :-1].reshape(-1), minlength=vocab_size)
-    return seen
-
-
 def _leaf_names(params: Any) -> list[str]:
     import jax
 

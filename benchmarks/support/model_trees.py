@@ -15,8 +15,7 @@ for sizing the overhead benchmark. Leaf names and shapes follow the public refer
   BERT-Large and GPT-2; pass ``--models gpt2-medium`` (24 layers, d_model 1024, 355M) for the
   next GPT-2 size.
 
-Also :func:`transformer_of_size` (a GPT-2-shaped tree of a given size) and
-:func:`transformer_like_tree` (square matrices and biases, ~20 leaves per million elements).
+Also :func:`transformer_like_tree` (square matrices and biases, ~20 leaves per million elements).
 """
 
 from __future__ import annotations
@@ -92,27 +91,6 @@ MODELS = {
     "gpt2": lambda: gpt2(12, 768),
     "gpt2-medium": lambda: gpt2(24, 1024),
 }
-
-
-def transformer_of_size(num_params: int) -> dict:
-    """A GPT-2-shaped tree of about ``num_params`` parameters with a transformer's leaf count.
-
-    Width and depth grow with the size (1M: d=128, 4 layers; 10M: d=256, 8 layers; 100M:
-    d=768, 12 layers, like GPT-2 small; below 300k: d=32, 4 layers); the embedding rows make up
-    the rest.
-    """
-    if num_params < 300_000:
-        hidden, layers = 32, 4
-    elif num_params < 3_000_000:
-        hidden, layers = 128, 4
-    elif num_params < 30_000_000:
-        hidden, layers = 256, 8
-    else:
-        hidden, layers = 768, 12
-    per_layer = 12 * hidden * hidden + 13 * hidden
-    rows = max((num_params - layers * per_layer - 2 * hidden) // hidden, 2)
-    positions = max(rows // 8, 1)
-    return gpt2(layers, hidden, vocab=rows - positions, positions=positions)
 
 
 def transformer_like_tree(numel: int) -> list[jax.ShapeDtypeStruct]:

@@ -253,15 +253,6 @@ def advance(policy: Any, state: Any, step: Any, active: Any) -> Any:
     )
 
 
-def state_before(policy: Any, first_step: int, step: int) -> Any:
-    """The policy's state (Python ints) before ``step``, for a policy advanced on every step
-    from ``first_step`` on (phase A: 1; phase B: ``freeze_step + 1``)."""
-    state = policy.init()
-    for k in range(first_step, step):
-        state = policy.next(state, k)
-    return state
-
-
 def _fires(policy: Any, predicate: Any, first: int, last: int) -> list[int]:
     state, steps = policy.init(), []
     for k in range(first, last + 1):
