@@ -578,3 +578,49 @@ def test_two_processes_train_as_one(tmp_path):
     assert losses[-1] < 0.5 * losses[0]
     for key, want in evaluated.items():
         np.testing.assert_allclose(parts[0][key], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_context_mesh_changes_nothing():
+    """Under ``jax.set_mesh(mesh)`` (JAX's way to name the mesh of a block of code) the
+    helpers' host-side programs run on one device's arrays, which a context mesh refuses
+    ("incompatible devices"): they leave it (a seventh new-user trial). The dispatched run,
+    through dp.jit and through dispatch_by_kind over ozo.on_workers, gives the bits of the
+    same run outside the context."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    dp, tx, step, params = job.setup(mesh)
+
+    def with_dp():
+        p = dp.to_workers(params)
+        s = dp.init(tx, p)
+        train = dp.jit(step, schedule=SCHEDULE)
+        for x in batches(STEPS):
+            p, s, _ = train(p, s, x)
+        train.settle()
+        return jax.tree.leaves((p, s))
+
+    def with_dispatch():
+        own = make_tx()
+
+        def one_worker(p, s, x, kind):
+            loss, g = jax.value_and_grad(loss_fn)(p, x)
+            u, s = own.update(g, s, p, step_kind=kind)
+            return optax.apply_updates(p, u), s, loss
+
+        p = ozo.to_workers(ozo.replicate(host_params(), N), mesh)
+        s = jax.jit(ozo.on_workers(own.init, mesh))(p)
+        train = ozo.dispatch_by_kind(
+            lambda kind: jax.jit(ozo.on_workers(lambda *a: one_worker(*a, kind), mesh)),
+            SCHEDULE,
+            params_index=0,
+        )
+        for x in batches(STEPS):
+            p, s, _ = train(p, s, ozo.to_workers(x.reshape(N, -1, 16), mesh))
+        train.settle()
+        return jax.tree.leaves((p, s))
+
+    for run in (with_dp, with_dispatch):
+        outside = run()
+        with jax.set_mesh(mesh):
+            inside = run()
+        for a, b in zip(outside, inside, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

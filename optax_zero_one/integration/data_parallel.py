@@ -126,6 +126,7 @@ class DataParallel:
         specs = self.param_specs if specs is None else specs
         _check_structure(tree, specs, "the tree", "its specs")
 
+        @distributed.outside_user_mesh
         def one(x: Any, spec: P) -> jax.Array:
             sharding = NamedSharding(self.mesh, spec)
             if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)):

@@ -38,6 +38,7 @@ import optax
 
 from optax_zero_one.core import _graph, flat, kinds
 from optax_zero_one.core.kinds import StepKind, StepSchedule
+from optax_zero_one.integration.distributed import outside_user_mesh
 
 
 @dataclasses.dataclass
@@ -67,6 +68,7 @@ def _counts(leaves: list, per_worker: bool = False) -> jax.Array:
 _snapshot = jax.jit(_counts)
 
 
+@outside_user_mesh
 def _host_counts(counter: Any, refused: list) -> jax.Array:
     """:func:`_counts` of this process's first worker, by a program of its own."""
     return _snapshot([_first_shard(counter)] + [_first_shard(r) for _, r in refused])
@@ -478,6 +480,7 @@ class KindDispatcher:
         _, where, types, _ = self._layout
         return leaves[where[0]], [(cls, leaves[i]) for cls, i in zip(types, where[1:])]
 
+    @outside_user_mesh
     def _sync_with(self, state: Any) -> None:
         if self._last_counter is not None:  # a loop passing back the last state: no flatten
             counter, _ = self._probe(state, trusted=True, counter_only=True)
@@ -577,6 +580,7 @@ def _worker_leaves(tree: Any, counter: Any) -> list[tuple[Any, jax.Array]]:
     ]
 
 
+@outside_user_mesh
 def check_workers_agree(
     state: Any, counter: Any, step: int | None = None, worker_axis: bool = False
 ) -> None:
@@ -621,6 +625,7 @@ def check_workers_agree(
                     )
 
 
+@outside_user_mesh
 def check_params_agree(params: Any, counter: Any, step: int | None = None) -> None:
     """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
     the rounding of ``x + (xbar - x)`` in their dtype (a few ulps): a sync lands every worker

@@ -19,6 +19,7 @@ Nothing here sets JAX's configuration: ask for simulated CPU devices before JAX 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -37,6 +38,25 @@ COORDINATOR = "OZO_COORDINATOR"  # host:port of process 0
 NUM_PROCESSES = "OZO_NUM_PROCESSES"
 PROCESS_ID = "OZO_PROCESS_ID"
 FAILURE_DIR = "OZO_FAILURE_DIR"  # where a failing process notes when it failed
+
+
+def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run outside the caller's context mesh (``jax.set_mesh``), if one is set.
+
+    The host-side helpers (the dispatcher's counts, the workers' comparisons, a device's block
+    of the worker layout) run small programs on arrays of one device; under a context mesh
+    ``jax.jit`` places every program on the mesh and refuses such arrays ("incompatible
+    devices"). The user's own programs keep the mesh: only these helpers leave it.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if jax.sharding.get_mesh().empty:
+            return fn(*args, **kwargs)
+        with jax.set_mesh(None):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 @dataclasses.dataclass(frozen=True)
