@@ -208,7 +208,7 @@ def test_boolean_mask_is_the_same_as_a_float_one():
 # --- the worker axis ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("axis_name", [3, ("w",), ["w"]])
+@pytest.mark.parametrize("axis_name", [3, ("w",), ["w"], ""])
 def test_axis_name_not_a_string(axis_name):
     for factory in (ozo.zero_one_adam, ozo.onebit_adam):
         with pytest.raises(ValueError, match="axis_name must be"):
@@ -364,7 +364,7 @@ ZERO_ONE_NONSENSE = [
     (dict(learning_rate="0.1"), r"learning_rate must be a float or an optax.Schedule"),
     (dict(learning_rate=None), r"learning_rate must be a float or an optax.Schedule"),
     (dict(learning_rate=True), r"learning_rate must be a float or an optax.Schedule"),
-    (dict(var_freeze_step=-1), r"var_freeze_step must be an integer >= 0"),
+    (dict(var_freeze_step=-1), r"var_freeze_step=-1: The variance is frozen after step -1"),
     (dict(var_freeze_step=1.5), r"var_freeze_step must be an integer >= 0"),
     (dict(var_freeze_step=0), r"frozen after step 0, before any step has measured it"),
     (dict(var_freeze_step=10**12), r"var_freeze_step=1000000000000 does not fit .* int32"),
@@ -389,7 +389,7 @@ ONEBIT_NONSENSE = [
     (dict(weight_decay=-1.0), r"weight_decay must be in"),
     (dict(learning_rate=-1.0), r"learning_rate must be in"),
     (dict(learning_rate="fast"), r"learning_rate must be a float"),
-    (dict(freeze_step=-1), r"freeze_step must be an integer >= 0"),
+    (dict(freeze_step=-1), r"freeze_step=-1: The variance is frozen after step -1"),
     (dict(freeze_step=2.0), r"freeze_step must be an integer >= 0"),
     (dict(freeze_step=0), r"frozen after step 0.*onebit_adam's freeze_step >= 1"),
     (dict(freeze_step=2**31), r"freeze_step=2147483648 does not fit .* int32"),
@@ -404,6 +404,11 @@ def test_onebit_adam_hyperparameters_out_of_range(kwargs, match):
 
 
 def test_policies_and_collective_out_of_range():
+    # the schedules of the optimizers refuse what the optimizers refuse
+    with pytest.raises(ValueError, match="var_freeze_step=0: The variance is frozen after step 0"):
+        ozo.zero_one_schedule(var_freeze_step=0)
+    with pytest.raises(ValueError, match="freeze_step=0: The variance is frozen after step 0"):
+        ozo.onebit_schedule(0)
     with pytest.raises(ValueError, match="var_freeze_step must be an integer >= 0"):
         ozo.VarianceDoubling(freeze_step=-5)
     with pytest.raises(ValueError, match="local_step_clipper must be an integer >= 1"):

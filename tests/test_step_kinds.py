@@ -586,6 +586,112 @@ def test_dispatch_refuses_a_schedule_that_is_not_the_optimizers(check_every):
     assert ozo.step_count(state) < calls  # the refused steps were not applied
 
 
+def _two_groups(other_variance):
+    """0/1 Adam on ``w`` and on the rest by ``optax.multi_transform``; the second group's
+    variance policy ``other_variance``."""
+    labels = {k: "a" if k == "w" else "b" for k in SHAPES}
+    second = ozo.scale_by_zero_one_adam(
+        1e-2, variance_policy=other_variance, local_step_policy=LOCAL, axis_name=AXIS
+    )
+    return optax.multi_transform({"a": zero_one(), "b": second}, labels)
+
+
+def _dispatched(tx):
+    return _dispatched_with(tx)
+
+
+def test_dispatch_of_several_optimizers_in_one_state():
+    """One state may hold several optimizers (optax.multi_transform, a GAN's two): one
+    dispatcher follows the first one's counter. On the same policies they train as one; on
+    other policies the others refused the kinds sent (their steps not applied) while the first
+    counter took every step, which the dispatcher did not look at (a seventh new-user trial):
+    it now raises within its window. Counts that differ at the first call (one optimizer
+    trained alone before) are refused there."""
+    tx = _two_groups(VARIANCE)
+    params, run = params0(), _dispatched(tx)
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    for k in range(1, 14):
+        params, state = run(params, state, grads_at(k))
+    run.settle()
+    ozo.check_hints(state)  # no hint refused by either group
+    for group in state.inner_states.values():
+        assert ozo.step_count(group.inner_state) == 13
+
+    tx = _two_groups(ozo.VarianceDoubling(8, 4))  # variance 1, 2, 3, 4, 6, 8
+    params, run = params0(), _dispatched(tx)
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    with pytest.raises(ValueError, match=r"first step counter took every step while other"):
+        for k in range(1, 14):
+            params, state = run(params, state, grads_at(k))
+        run.settle()
+
+    # a dict of two optimizers, the first trained 3 steps alone
+    tx = zero_one()
+    params = {"D": params0(), "G": params0()}
+    state = {k: jax.vmap(tx.init, axis_name=AXIS)(params[k]) for k in params}
+    alone = jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, None), axis_name=AXIS))
+    for k in range(1, 4):
+        params["D"], state["D"] = alone(params["D"], state["D"], grads_at(k))
+
+    def pair(p, s, g, kind):
+        out = {k: _step(tx, p[k], s[k], g, kind) for k in p}
+        return {k: o[0] for k, o in out.items()}, {k: o[1] for k, o in out.items()}
+
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(lambda p, s, g: pair(p, s, g, kind), axis_name=AXIS)),
+        SCHEDULE,
+    )
+    with pytest.raises(ValueError, match=r"2 optimizers whose step counts differ \(\['D'\]"):
+        run(params, state, grads_at(4))
+
+
+def test_dispatcher_positions_and_names_are_checked():
+    """A wrong state_index or params_index, and a dispatcher bound to the name that its
+    compile_kind calls, get errors that say so (they blamed the user's optax chain, or were an
+    IndexError or a TypeError about step_kind; a seventh new-user trial)."""
+    tx = zero_one()
+
+    def run_with(**kw):
+        run = _dispatched_with(tx, **kw)
+        params = params0()
+        state = jax.vmap(tx.init, axis_name=AXIS)(params)
+        return run(params, state, grads_at(1))
+
+    with pytest.raises(ValueError, match="state_index=5, but the step got 3 arguments"):
+        run_with(state_index=5)
+    with pytest.raises(ValueError, match="params_index=7, but the step returned 2 results"):
+        run_with(params_index=7)
+    for index in (1, -1):
+        with pytest.raises(ValueError, match=f"params_index={index} names an optimizer state"):
+            run_with(params_index=index)
+    with pytest.raises(ValueError, match="params_index must be an int"):
+        _dispatched_with(tx, params_index="params")
+    run_with(params_index=0)
+
+    def train_step(p, s, g, step_kind=None):
+        return _step(tx, p, s, g, step_kind)
+
+    def compile_kind(kind):  # reads the global name train_step, as usage.md's loop does
+        return jax.jit(
+            jax.vmap(functools.partial(names["train_step"], step_kind=kind), axis_name=AXIS)
+        )
+
+    names = {"train_step": train_step}
+    names["train_step"] = ozo.dispatch_by_kind(compile_kind, SCHEDULE)  # the name rebound
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    with pytest.raises(TypeError, match="compile_kind seems to call the dispatcher itself"):
+        names["train_step"](params, state, grads_at(1))
+
+
+def _dispatched_with(tx, **kw):
+    return ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)),
+        SCHEDULE,
+        **kw,
+    )
+
+
 def test_hints_are_checked_at_the_call():
     tx = zero_one()
     state = jax.vmap(tx.init, axis_name=AXIS)(params0())

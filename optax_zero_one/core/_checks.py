@@ -80,7 +80,7 @@ def check_learning_rate(learning_rate: Any) -> None:
 
 
 def check_axis_name(axis_name: Any) -> None:
-    if axis_name is not None and not isinstance(axis_name, str):
+    if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
         raise ValueError(
             f"axis_name must be the name (a str) of the worker axis bound by shard_map / pmap / "
             f"vmap, or None for a single worker; got {axis_name!r}."
@@ -458,3 +458,18 @@ def check_transformation(name: str, tx: Any) -> Any:
             f"{name} must be an optax.GradientTransformation (e.g. {example}), got {tx!r}.{called}"
         )
     return optax.with_extra_args_support(tx)
+
+
+def check_variance_measured(freeze: Any, name: str = "") -> None:
+    """Raises ``ValueError`` for a static variance freeze step below 1 (a negative one too:
+    the same reason, said at once; ``name`` the argument's, for its message)."""
+    if not is_static_number(freeze) or isinstance(freeze, bool) or freeze >= 1:
+        return
+    given = f"{name}={freeze}: " if name else ""
+    raise ValueError(
+        f"{given}The variance is frozen after step {freeze}, before any step has measured it: v "
+        "would stay 0 and every update would be m / eps, which diverges. Freeze after at "
+        "least one step (zero_one_adam's var_freeze_step, onebit_adam's freeze_step >= 1); "
+        "DeepSpeed's recipes freeze at the end of the learning-rate warm-up "
+        "(docs/parameters.md)."
+    )

@@ -542,8 +542,22 @@ def step_counter(state: Any) -> Any:
     reads it through this hook instead of knowing the classes. ``None`` if there is none.
     """
 
-    found = _nodes_where(state, lambda x: _declares(x, "STEP_COUNTER"))
-    return getattr(found[0], type(found[0]).STEP_COUNTER) if found else None
+    found = step_counters(state)
+    return found[0][1] if found else None
+
+
+def step_counters(state: Any) -> list[tuple[str, Any]]:
+    """``(key path, counter)`` of every outermost state in ``state`` whose class declares a
+    ``STEP_COUNTER``, in tree order: one per optimizer (a chain's transforms each count the
+    same steps), several where the state holds several optimizers (``optax.multi_transform``,
+    a dict of two)."""
+    accept = lambda x: _declares(x, "STEP_COUNTER")  # noqa: E731
+    found = jax.tree_util.tree_flatten_with_path(state, is_leaf=accept)[0]
+    return [
+        (jax.tree_util.keystr(path), getattr(node, type(node).STEP_COUNTER))
+        for path, node in found
+        if accept(node)
+    ]
 
 
 def _nodes_where(state: Any, accept: Callable[[Any], bool]) -> list:

@@ -129,15 +129,7 @@ def scale_by_frozen_variance_adam(
             "every step after the freeze. Use e.g. eps=1e-8 (Adam's and DeepSpeed's default)."
         )
     policy = variance_policy or policies.VarianceDoubling()
-    freeze = getattr(policy, "freeze_step", None)
-    if _checks.is_static_number(freeze) and freeze < 1:
-        raise ValueError(
-            f"The variance is frozen after step {freeze}, before any step has measured it: v "
-            "would stay 0 and every update would be m / eps, which diverges. Freeze after at "
-            "least one step (zero_one_adam's var_freeze_step, onebit_adam's freeze_step >= 1); "
-            "DeepSpeed's recipes freeze at the end of the learning-rate warm-up "
-            "(docs/parameters.md)."
-        )
+    _checks.check_variance_measured(getattr(policy, "freeze_step", None))
 
     def init_fn(params: optax.Params) -> FrozenVarianceAdamState:
         zeros = lambda: jax.tree.map(  # noqa: E731 (separate buffers, so the state can be donated)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from optax_zero_one.core import _graph, policies
+from optax_zero_one.core import _checks, _graph, policies
 
 STEP_KINDS = ("variance", "compressed", "local", "sync")
 """0/1 Adam's step kinds, in the order of the indices :func:`step_kinds` returns."""
@@ -208,6 +208,7 @@ def zero_one_schedule(
 ) -> StepSchedule:
     """The :class:`StepSchedule` of :func:`~optax_zero_one.zero_one_adam` with these arguments
     (same names, same defaults)."""
+    _checks.check_variance_measured(var_freeze_step, "var_freeze_step")
     return StepSchedule(
         policies.VarianceDoubling(var_freeze_step, var_update_scaler),
         policies.LocalStepDoubling(local_step_scaler, local_step_clipper),
@@ -229,6 +230,7 @@ def local_step_schedule(local_step_policy: Any, start_step: int = 0) -> StepSche
 
 def onebit_schedule(freeze_step: int = 100_000) -> StepSchedule:
     """The :class:`StepSchedule` of :func:`~optax_zero_one.onebit_adam` with ``freeze_step``."""
+    _checks.check_variance_measured(freeze_step, "freeze_step")
     return StepSchedule(policies.FullPrecisionWarmup(freeze_step))
 
 

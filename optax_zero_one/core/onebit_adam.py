@@ -82,6 +82,7 @@ def scale_by_onebit_adam(
       Tang et al., 1-bit Adam: Communication Efficient Large-Scale Training with Adam's
       Convergence Speed, ICML 2021, arXiv:2102.02888.
     """
+    _checks.check_variance_measured(freeze_step, "freeze_step")
     _checks.check_int("freeze_step", freeze_step, 0)
     _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
     if learning_rate is not None:

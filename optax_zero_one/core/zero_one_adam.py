@@ -230,6 +230,7 @@ def zero_one_adam(
       Lu et al., Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam,
       ICLR 2023, arXiv:2202.06009.
     """
+    _checks.check_variance_measured(var_freeze_step, "var_freeze_step")
     return scale_by_zero_one_adam(
         learning_rate,
         b1=b1,

@@ -128,6 +128,26 @@ def _check_one_update_per_call(state: Any) -> None:
         )
 
 
+def _check_one_count(state: Any) -> None:
+    """Raises ``ValueError`` for a state holding several optimizers whose step counts differ:
+    a dispatcher follows one count (the first), and would send the others kinds they refuse."""
+    found = _graph.step_counters(state)
+    if len(found) < 2:
+        return
+    counts = [(path, int(np.asarray(_first_shard(c)).reshape(-1)[0])) for path, c in found]
+    if len({c for _, c in counts}) == 1:
+        return
+    listed = ", ".join(f"{path or 'the state'}: {c}" for path, c in counts)
+    raise ValueError(
+        f"The optimizer state holds {len(counts)} optimizers whose step counts differ ({listed}; "
+        "e.g. one trained for more steps than the other). A dispatcher follows one count, the "
+        "first, and would send the others the kinds of other steps, which they refuse (their "
+        "steps not applied). Dispatch each optimizer's update in a step of its own (its own "
+        "dispatch_by_kind, its state argument holding that optimizer's state only), or update "
+        "them together from their first step so that their counts stay equal."
+    )
+
+
 def _shape_of(x: Any) -> Any:
     """``x``'s shape, dtype and (for a ``jax.Array``) sharding, as a ``ShapeDtypeStruct``."""
     if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
@@ -215,6 +235,9 @@ class KindDispatcher:
             raise ValueError(f"lag must be an int >= 1, got {lag!r}.")
         if not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"check_every must be an int >= 1, got {check_every!r}.")
+        for name, index in (("state_index", state_index), ("params_index", params_index)):
+            if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+                raise ValueError(f"{name} must be an int (a position), got {index!r}.")
         self._compile = compile_kind
         self.schedule = schedule
         self._state_index = state_index
@@ -391,7 +414,25 @@ class KindDispatcher:
                 future.result()
         return seconds
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            called = "step_kind=" if "step_kind" in kwargs else f"{', '.join(kwargs)}="
+            raise TypeError(
+                f"the dispatcher takes the step's arguments by position, got {called}. "
+                + (
+                    "compile_kind seems to call the dispatcher itself: was the dispatcher "
+                    "bound to the name of the step function that compile_kind reads "
+                    "(train_step = ozo.dispatch_by_kind(...))? Give it a new name "
+                    "(step = ozo.dispatch_by_kind(...))."
+                    if "step_kind" in kwargs
+                    else "Pass them by position."
+                )
+            )
+        if not -len(args) <= self._state_index < len(args):
+            raise ValueError(
+                f"state_index={self._state_index}, but the step got {len(args)} arguments: "
+                "pass state_index= the position of opt_state among them."
+            )
         self._sync_with(args[self._state_index])
         # before this step's program: an error leaves the caller's state as it was (not donated)
         self._settle_due(self._lag)
@@ -401,6 +442,8 @@ class KindDispatcher:
         counts = None
         if self._counted:
             out, counts = out
+        if kind.name not in self._probed:
+            self._check_results(out)
         # a program's output has the structure of its input: probed in full once per program
         counter, refused = self._probe(out[self._state_index], kind.name in self._probed)
         self._probed.add(kind.name)
@@ -427,6 +470,29 @@ class KindDispatcher:
         self._last_counter, self._last_refused = counter, refused
         self.step += 1
         return out
+
+    def _check_results(self, out: Any) -> None:
+        """Raises ``ValueError`` where ``state_index`` or ``params_index`` does not name the
+        state or the params among a program's results (once per kind)."""
+        count = len(out) if isinstance(out, tuple | list) else None
+        for name, index in (
+            ("state_index", self._state_index),
+            ("params_index", self._params_index),
+        ):
+            if index is not None and (count is None or not -count <= index < count):
+                got = f"{count} results" if count is not None else "one result, not a tuple"
+                raise ValueError(
+                    f"{name}={index}, but the step returned {got}: the step returns the params "
+                    "and the state it was given (e.g. (params, opt_state, loss)), and "
+                    f"{name} is the position of the {name.split('_')[0]} among them."
+                )
+        if self._params_index is not None and (
+            _graph.step_counter(out[self._params_index]) is not None
+        ):
+            raise ValueError(
+                f"params_index={self._params_index} names an optimizer state among the step's "
+                "results: pass the position of the params (e.g. 0 for (params, opt_state))."
+            )
 
     def settle(self) -> None:
         """Checks every step still in flight (waits for them); raises as a call would."""
@@ -494,6 +560,7 @@ class KindDispatcher:
                 "optax_zero_one (no step counter); pass state_index= the position of opt_state."
             )
         if counter is not self._last_counter:  # first call, or a state from elsewhere
+            _check_one_count(state)
             self._pending.clear()
             self._types = [cls for cls, _ in refused]
             self._confirmed = np.asarray(_host_counts(counter, refused))
@@ -507,20 +574,32 @@ class KindDispatcher:
         now = np.asarray(window[-1].counts).reshape(-1)
         before, self._confirmed = self._confirmed, now
         taken = int(now[0] - before[0])
-        if taken == len(window):
-            return
-        # Some steps were not taken: hints refused, or non-finite steps skipped. A refused
-        # step raises each refusing state's count by one: at least the largest rise refused.
+        # A refused step raises each refusing state's count by one: at least the largest rise
+        # refused.
         rises = [int(now[1 + 2 * i] - before[1 + 2 * i]) for i in range(len(self._types))]
         refused = max(rises, default=0)
+        if taken == len(window) and not refused:
+            return
+        asked = "; ".join(
+            f"{cls.__name__} asked for {cls.BRANCHES[int(now[2 + 2 * i]) - 1]}"
+            for i, cls in enumerate(self._types)
+            if rises[i]
+        )
+        if taken == len(window):  # the counter followed took every step, another state refused
+            raise ValueError(
+                f"of steps {window[0].step} to {window[-1].step}, the optimizer state's first "
+                f"step counter took every step while other states in it refused {refused} "
+                f"({asked} at the last refusal); a refused step is not applied. The state holds "
+                "several optimizers on different schedules (e.g. optax.multi_transform of two "
+                "with another var_freeze_step), and one dispatcher follows one schedule: give "
+                "them the same policies, or dispatch each optimizer's update in a step of its "
+                "own (its own dispatch_by_kind, its state argument holding that optimizer's "
+                "state only)."
+            )
+        # Some steps were not taken: hints refused, or non-finite steps skipped.
         skipped = max(len(window) - taken - refused, 0)
         expected = sum(p.stale for p in window)  # dispatched before the host learnt of a skip
         if refused > expected and not skipped:
-            asked = "; ".join(
-                f"{cls.__name__} asked for {cls.BRANCHES[int(now[2 + 2 * i]) - 1]}"
-                for i, cls in enumerate(self._types)
-                if rises[i]
-            )
             sent = ", ".join(sorted({repr(p.kind.name) for p in window}))
             raise ValueError(
                 f"of steps {window[0].step} to {window[-1].step}, run with the programs for "
