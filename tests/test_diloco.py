@@ -214,6 +214,36 @@ def test_start_step_with_the_documented_warm_up_keeps_the_workers_together():
                 assert min(spread[k] for k in synced) > 1e-2
 
 
+def test_a_non_finite_gradient_in_the_warm_up_is_skipped_and_the_run_goes_on():
+    """Before ``start_step`` the inner transform averages (docs/diloco.md's warm-up) and the
+    wrapper skips a step whose update is not finite. The inner state is any optax state:
+    ``optax.adamw``'s moments took the NaN, and only the counters were restored, so every later
+    step was NaN and skipped: the run stopped training without an error (found while checking
+    the dispatcher's counters). Now the skipped step leaves every leaf of the state as it was,
+    hinted or not, and the run goes on."""
+    n, start = 2, 3
+    prob = problem(n, start + 2 * H, seed=6)
+    warm_up = ozo.scheduled_mean(AXIS, ozo.FullPrecisionWarmup(start), compressed_steps=False)
+    inner = optax.chain(warm_up, optax.adamw(INNER_LR))
+    tx = ozo.diloco(inner, nesterov(), H, AXIS, start_step=start)
+    for hinted in (None, ozo.diloco_schedule(H, start)):
+        run = stepper(tx, n, hinted)
+        x = layout([prob[0]] * n)
+        x, state = train(run, x, mapped(tx.init, "vmap", n)(x), prob, 1, 1)
+        bad = layout(grads_at(worker_views(x), *prob[1:3], prob[3][1]))
+        bad[0] = bad[0].at[1, 0, 0].set(jnp.nan)  # one element of one worker's gradient
+        x2, state2 = run(2, x, state, bad)  # the counters kept: the next step is step 2 again
+        assert np.asarray(state2.skipped_updates).tolist() == [1] * n
+        for a, b in zip(jax.tree.leaves((x, state._replace(skipped_updates=0))),
+                        jax.tree.leaves((x2, state2._replace(skipped_updates=0))), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(a, b)
+        x3, state3 = train(run, x2, state2, prob, 2, start + 2 * H)
+        assert np.asarray(state3.count).tolist() == [start + 2 * H] * n
+        assert np.asarray(state3.skipped_updates).tolist() == [1] * n
+        assert all(np.isfinite(leaf).all() for leaf in x3)
+        assert float(np.abs(np.asarray(x3[0]) - np.asarray(x2[0])).max()) > 1e-3  # it trains
+
+
 def test_resume_from_a_saved_state_is_exact():
     """The outer momentum is part of the state: 2 rounds, save (to host), 1 more round equals
     3 rounds straight."""

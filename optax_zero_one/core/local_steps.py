@@ -365,7 +365,11 @@ def local_step_sync_over(
             new_state = state._replace(count=optax.safe_increment(state.count))
             new_state = new_state._replace(inner_state=inner_state)
             finite = _graph.finite_or_skipped(out, inner_state, state.inner_state)
-            return _graph.keep_if_finite(finite, out, new_state, skipped)
+            # the inner state may be any optax state (e.g. optax.adamw's moments, which took
+            # the non-finite mean): its buffers are restored too, not only the counters
+            return _graph.zero_unless(finite, out), _graph.restore_skipped(
+                finite, new_state, skipped
+            )
 
         # After start_step this worker's gradient is its own: dropped if it is not finite.
         drop = jnp.logical_not(_graph.all_finite(updates))
