@@ -281,6 +281,32 @@ def test_a_non_finite_outer_step_skips_the_sync():
     assert all(np.isfinite(leaf).all() for leaf in x)
 
 
+def test_a_sync_whose_mean_overflows_keeps_the_outer_momentum():
+    """Each worker's distance finite, their float sum not: the sync is skipped (the counters
+    kept, so the next step is the sync again). The outer state is any optax state: Nesterov's
+    momentum took the non-finite delta and every later retry of the sync was skipped, the run
+    stuck (found beside the warm-up's NaN). Now the momentum is kept as it was, and the retried
+    sync goes through."""
+    n = 2
+    tx = ozo.diloco(optax.sgd(1.0), nesterov(), H, AXIS, collective="float")
+    run = stepper(tx, n)
+    x = [jnp.ones((n, 1), jnp.float32)]
+    state = mapped(tx.init, "vmap", n)(x)
+    for k in range(1, 2 * H):  # a first round, then H - 1 local steps of the second
+        x, state = run(k, x, state, [jnp.full((n, 1), 0.1 * k, jnp.float32)])
+    before = state
+    x, state = run(2 * H, x, state, [jnp.full((n, 1), -2e38, jnp.float32)])  # its sync: 2 x 2e38
+    assert np.asarray(state.skipped_updates).tolist() == [1] * n
+    for a, b in zip(jax.tree.leaves(before.outer_state), jax.tree.leaves(state.outer_state),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    assert np.asarray(state.count).tolist() == np.asarray(before.count).tolist()
+    x, state = run(2 * H, x, state, [jnp.full((n, 1), 0.5, jnp.float32)])  # the sync, retried
+    assert np.asarray(state.count).tolist() == [2 * H] * n
+    assert np.asarray(state.skipped_updates).tolist() == [1] * n
+    assert np.isfinite(np.asarray(x[0])).all()
+
+
 @pytest.mark.parametrize("collective", ["float", "two_phase"])
 def test_what_each_step_kind_sends(collective):
     """On 8 simulated devices under shard_map: a local step sends nothing; a sync one float32

@@ -402,8 +402,10 @@ def local_step_sync_over(
             if outer is None:
                 anchor = jax.tree.map(lambda a, m: jnp.where(finite, a - m, a), anchor, delta)
             else:  # a non-finite outer step skips the sync as a non-finite mean does
-                moves, outer_state = outer.update(delta, outer_state, anchor)
+                moves, new_outer = outer.update(delta, outer_state, anchor)
                 finite = jnp.logical_and(finite, _graph.all_finite(moves))
+                # any optax state (Nesterov's momentum took the non-finite delta): kept whole
+                outer_state = _graph.restore_skipped(finite, new_outer, outer_state)
                 anchor = jax.tree.map(
                     lambda a, s: jnp.where(finite, a + s.astype(a.dtype), a), anchor, moves
                 )
