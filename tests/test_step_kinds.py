@@ -534,6 +534,32 @@ def test_dispatch_moves_back_after_a_step_every_worker_skipped():
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
 
 
+def test_dispatch_warns_once_when_every_step_is_skipped():
+    """A state that skips every step (each update not finite) keeps its counters and trains no
+    more; a dispatched run says so once (two such traps were found in DiLoCo this session),
+    and again only after it has made progress."""
+    from optax_zero_one.integration import dispatch
+
+    tx = zero_one()
+    run = _dispatched(tx)
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    nan = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads_at(1))
+    steps = dispatch.STALLED_WARNING + 2 * run.check_every
+    with pytest.warns(RuntimeWarning, match="were all skipped") as caught:
+        for _ in range(steps):
+            params, state = run(params, state, nan)
+        run.settle()
+    assert len([w for w in caught if "all skipped" in str(w.message)]) == 1
+    assert ozo.step_count(state) == 0 and run.skipped + run.lost == steps
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # progress: no warning
+        for k in range(1, 3 * run.check_every):
+            params, state = run(params, state, grads_at(k))
+        run.settle()
+    assert ozo.step_count(state) == 3 * run.check_every - 1
+
+
 def test_dispatch_reads_the_counters_back_once_every_check_every_steps(monkeypatch):
     """The host reads device values back at the first call and then once every check_every
     steps, not per step (each read costs a GPU host ~0.2 ms)."""

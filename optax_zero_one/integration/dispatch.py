@@ -67,6 +67,9 @@ def _counts(leaves: list, per_worker: bool = False) -> jax.Array:
 
 _snapshot = jax.jit(_counts)
 
+# Steps skipped in a row (not finite) after which a dispatcher warns that the run is stuck.
+STALLED_WARNING = 64
+
 
 @outside_user_mesh
 def _host_counts(counter: Any, refused: list) -> jax.Array:
@@ -263,6 +266,8 @@ class KindDispatcher:
         self.skipped = 0
         self.lost = 0
         self._compared = False  # the workers' shared values compared since the last restore
+        self._stalled = 0  # steps skipped in a row (whole windows), as last settled
+        self._warned_stalled = False
         self._params_index = params_index  # where the params are among the results, if known
         self._params_compared = False  # the workers' params compared after a sync
         self._after_local = False  # a local step ran since then
@@ -578,6 +583,20 @@ class KindDispatcher:
         # refused.
         rises = [int(now[1 + 2 * i] - before[1 + 2 * i]) for i in range(len(self._types))]
         refused = max(rises, default=0)
+        self._stalled = 0 if taken else self._stalled + len(window)
+        if self._stalled >= STALLED_WARNING and not self._warned_stalled:
+            self._warned_stalled = True
+            warnings.warn(
+                f"the last {self._stalled} steps (to step {window[-1].step}) were all skipped: "
+                "each update was not finite, so the state kept its counters and the run makes "
+                "no progress. Look at the gradients (a NaN or Inf in the loss, a learning rate "
+                "too large, fp16 overflow) and at the params, which a step can have made "
+                "non-finite; the state's skipped_updates counts these steps.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if taken:
+            self._warned_stalled = False
         if taken == len(window) and not refused:
             return
         asked = "; ".join(
