@@ -624,3 +624,40 @@ def test_a_context_mesh_changes_nothing():
             inside = run()
         for a, b in zip(outside, inside, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_in_graph_kinds_of_a_bare_scheduled_mean_on_a_model_sharded_mesh():
+    """DiLoCo's documented warm-up (a bare ``ozo.scheduled_mean`` in its inner chain) through
+    ``dp.jit`` without a schedule on the 2-D mesh: the kinds decided in the graph, inside
+    ``dp.optimizer``'s per-model-shard program. It failed to trace ("switch branches must have
+    equal output types": the float mean's branch typed as replicated over data, the others as
+    varying; a seventh new-user trial); now it follows the dispatched run."""
+    mesh = mesh_of(2)
+    params = {k: jax.device_put(x, NamedSharding(mesh, SPECS[k])) for k, x in host_params().items()}
+    dp = ozo.data_parallel(mesh, params, data_axis="data")
+    warm_up = ozo.scheduled_mean("data", ozo.FullPrecisionWarmup(3), compressed_steps=False)
+    tx = dp.optimizer(
+        ozo.diloco(
+            optax.chain(warm_up, optax.adamw(1e-2)),
+            optax.sgd(0.7, momentum=0.9, nesterov=True),
+            3,
+            "data",
+            start_step=3,
+        )
+    )
+
+    def step(p, s, x, step_kind=None):
+        loss, g = jax.value_and_grad(loss_fn)(p, x)
+        u, s = tx.update(g, s, p, step_kind=step_kind)
+        return optax.apply_updates(p, u), s, loss
+
+    runs = []
+    for schedule in (None, ozo.diloco_schedule(3, 3)):
+        p = dp.to_workers(params)
+        s = dp.init(tx, p)
+        train = dp.jit(step, schedule=schedule)
+        for x in batches(10):
+            p, s, _ = train(p, s, x)
+        runs.append(jax.tree.leaves(dp.synchronized_params(p, s)))
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -234,8 +234,9 @@ def test_a_non_finite_gradient_in_the_warm_up_is_skipped_and_the_run_goes_on():
         bad[0] = bad[0].at[1, 0, 0].set(jnp.nan)  # one element of one worker's gradient
         x2, state2 = run(2, x, state, bad)  # the counters kept: the next step is step 2 again
         assert np.asarray(state2.skipped_updates).tolist() == [1] * n
-        for a, b in zip(jax.tree.leaves((x, state._replace(skipped_updates=0))),
-                        jax.tree.leaves((x2, state2._replace(skipped_updates=0))), strict=True):  # fmt: skip
+        same = (x, state._replace(skipped_updates=0))
+        kept = (x2, state2._replace(skipped_updates=0))
+        for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(kept), strict=True):
             np.testing.assert_array_equal(a, b)
         x3, state3 = train(run, x2, state2, prob, 2, start + 2 * H)
         assert np.asarray(state3.count).tolist() == [start + 2 * H] * n

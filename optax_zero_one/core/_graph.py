@@ -117,12 +117,21 @@ def switch(
         return branches[0](operand)
     index = once_for_all_workers(index, axis_name)
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves((index, operand))))
+    # shard_map's check wants every branch to return the same varying types. Inside a
+    # shard_map with check_vma=False (data_parallel's per-model-shard optimizer) pcast adds
+    # nothing and a new value carries no varying axes, while a value passed through keeps its
+    # own: there every output becomes a new value (a select of itself, which XLA removes).
+    checked = varying_axes(vary_over(jnp.zeros(()), axes)) >= axes
+    typing = (lambda y: vary_over(y, axes)) if checked else _new_value
 
     def typed(branch: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        # shard_map's check wants every branch to return the same varying types.
-        return lambda x: jax.tree.map(lambda y: vary_over(jnp.asarray(y), axes), branch(x))
+        return lambda x: jax.tree.map(lambda y: typing(jnp.asarray(y)), branch(x))
 
     return jax.lax.switch(index, [typed(b) for b in branches], operand)
+
+
+def _new_value(y: jax.Array) -> jax.Array:
+    return jax.lax.select(jnp.full(jnp.shape(y), True), y, y)
 
 
 def once_for_all_workers(x: Any, axis_name: Any) -> Any:
