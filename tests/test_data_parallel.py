@@ -282,6 +282,15 @@ def test_tree_map_params_on_a_model_sharded_state(two_d):
     jax.tree.map(lambda mark, x: None, marked, state)  # a prefix of the state, as shardings are
 
 
+def test_reset_compression_refuses_a_model_sharded_state_clearly(two_d):
+    """Moving dp.optimizer's per-model-shard state to another worker count is not supported;
+    reset_compression said to use dp.synchronized_params, a function not called (a seventh
+    trial). It now says what is not supported and what to do."""
+    dp, tx, params_w, state, _, _ = two_d
+    with pytest.raises(ValueError, match="model-sharded mesh .* not supported. Resume on the mesh"):
+        ozo.reset_compression(params_w, state, state)
+
+
 def test_two_d_mesh_keeps_params_and_state_sharded(two_d):
     dp, tx, params_w, state, losses, train = two_d
     for name, spec in SPECS.items():

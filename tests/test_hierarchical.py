@@ -405,6 +405,16 @@ def test_resume_is_exact_and_a_checkpoint_moves_to_another_split():
     fresh = jax.jit(ozo.on_workers(tx.init, other, AXES))(
         jax.device_put(whole[-1], NamedSharding(other, P(AXES)))
     )
+    # check_worker_count takes the pair and refuses another split of the same total (it
+    # passed, and Orbax then suggested strict=False, which pads the buffers: a seventh trial)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+    ozo.check_worker_count(shapes, (2, 4))
+    with pytest.raises(ValueError, match=r"8 workers in 2 nodes of 4, but this run has 4 nodes"):
+        ozo.check_worker_count(shapes, (4, 2))
+    with pytest.raises(ValueError, match=r"saved by 8 workers, but this run has 6"):
+        ozo.check_worker_count(shapes, (3, 2))
+    with pytest.raises(ValueError, match=r"the pair \(nodes, per_node\)"):
+        ozo.check_worker_count(shapes, (2, 4, 1))
     params, moved = ozo.reset_compression(whole[-1], state, fresh)
     errors = moved.inner_state.inner_state[0].errors
     assert errors.worker_error.shape == (8, 4, errors.server_error.shape[-1])  # 4 nodes

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_zero_one.core import _graph
 from optax_zero_one.integration import workers
 
 
@@ -86,7 +87,7 @@ def worker_count(tree: Any) -> int:
     return next(iter(counts))
 
 
-def check_worker_count(tree: Any, num_workers: int) -> None:
+def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
     """Raises a clear ``ValueError`` unless ``tree`` was made for ``num_workers`` workers.
 
     Call it on a checkpoint's metadata *before* restoring (a checkpointer would otherwise fail
@@ -95,7 +96,9 @@ def check_worker_count(tree: Any, num_workers: int) -> None:
     Args:
       tree: params and/or optimizer state in the worker layout, or their shapes (see
         :func:`worker_count`). An empty tree passes.
-      num_workers: the number of workers of this run.
+      num_workers: the number of workers of this run, or for a hierarchical run
+        (``fast_axis_name``) the pair ``(nodes, per_node)``: then the split is checked too
+        (the error buffers are sized per node).
 
     Raises:
       ValueError: with the saved and current counts, and the two ways forward: restart with the
@@ -108,21 +111,56 @@ def check_worker_count(tree: Any, num_workers: int) -> None:
       Traceback (most recent call last):
       ValueError: This state was saved by 4 workers, but this run has 2. ...
     """
+    pair = isinstance(num_workers, tuple | list)
+    if pair and not (
+        len(num_workers) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in num_workers)
+    ):
+        raise ValueError(
+            f"num_workers must be an int or the pair (nodes, per_node) of a hierarchical run, "
+            f"got {num_workers!r}."
+        )
     if not jax.tree.leaves(_items(tree)):
         return
     saved = worker_count(tree)
-    if saved != num_workers:
-        workers_ = lambda n: f"{n} worker" + ("s" if n != 1 else "")  # noqa: E731
+    total = num_workers[0] * num_workers[1] if pair else num_workers
+    workers_ = lambda n: f"{n} worker" + ("s" if n != 1 else "")  # noqa: E731
+    if saved == total and pair:
+        nodes = _saved_nodes(tree)
+        if nodes is not None and nodes != num_workers[0]:
+            raise ValueError(
+                f"This state was saved by {saved} workers in {nodes} nodes of {saved // nodes}, "
+                f"but this run has {num_workers[0]} nodes of {num_workers[1]}. The error-feedback "
+                "buffers are sized per node, so they cannot be restored into another split (do "
+                "not restore with strict=False: the buffers would be padded or cut). Resume "
+                f"with {nodes} nodes for a bitwise-exact continuation, or restore it for that "
+                "split and pass it to optax_zero_one.reset_compression(params, opt_state, "
+                "fresh_state) with this run's freshly initialised state (not bit-identical)."
+            )
+    if saved != total:
         raise ValueError(
-            f"This state was saved by {workers_(saved)}, but this run has {num_workers}. Each "
+            f"This state was saved by {workers_(saved)}, but this run has {total}. Each "
             "worker's error-feedback buffers (and 0/1 Adam's params during "
             "local steps) belong to that worker and are sized for the worker count, so they "
             f"cannot be split or merged exactly. Resume with {workers_(saved)} for a bitwise-exact "
             "continuation, or opt in to a fresh compression state: restore the checkpoint for "
             f"{workers_(saved)} and pass it to optax_zero_one.reset_compression(params, opt_state, "
-            f"fresh_state) with this run's freshly initialised state for {num_workers} workers "
+            f"fresh_state) with this run's freshly initialised state for {total} workers "
             "(training continues from the last synchronised point; not bit-identical)."
         )
+
+
+def _saved_nodes(tree: Any) -> int | None:
+    """The number of nodes (slow-axis workers) the compression state of ``tree`` was sized
+    for: the rows of each worker's ``worker_error`` buffer (``OnebitMeanState``'s field, found
+    by name, as a checkpoint's metadata has no classes); ``None`` without such a buffer."""
+    rows = {
+        tuple(getattr(leaf, "shape", np.shape(leaf)))[1]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree))
+        if "worker_error" in jax.tree_util.keystr(path)
+        and len(tuple(getattr(leaf, "shape", np.shape(leaf)))) >= 3
+    }
+    return next(iter(rows)) if len(rows) == 1 else None
 
 
 def reset_compression(
@@ -179,6 +217,14 @@ def reset_compression(
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009; DeepSpeed's load path resets the same buffers.
     """
+    if _graph.nodes_of(opt_state, workers.ShardLocalState):
+        raise ValueError(
+            "reset_compression got the state of DataParallel.optimizer on a model-sharded mesh "
+            "(one state per model shard, each with its own compression scales): moving it to "
+            "another worker count is not supported. Resume on the mesh it was saved on (the "
+            "same data and model axes), or start the new run's optimizer state afresh from the "
+            "params (dp.synchronized_params gives the last synchronised point)."
+        )
     # one worker's trees (axis_name=None: no worker axis) go through as one row
     if _one_worker((params, opt_state)):
         params, opt_state = workers.replicate(params, 1), workers.replicate(opt_state, 1)
