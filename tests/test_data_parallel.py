@@ -284,7 +284,7 @@ def test_tree_map_params_on_a_model_sharded_state(two_d):
 
 def test_reset_compression_refuses_a_model_sharded_state_clearly(two_d):
     """Moving dp.optimizer's per-model-shard state to another worker count is not supported;
-    reset_compression said to use dp.synchronized_params, a function not called (a seventh
+    reset_compression said to use dp.synchronized_params, a function not called (an eighth
     trial). It now says what is not supported and what to do."""
     dp, tx, params_w, state, _, _ = two_d
     with pytest.raises(ValueError, match="model-sharded mesh .* not supported. Resume on the mesh"):

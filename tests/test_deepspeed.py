@@ -157,6 +157,15 @@ def test_flags_written_as_numbers_read_as_deepspeed_reads_them(zero_one_by_hand)
     section = {"type": "ZeroOneAdam", "params": {**ZERO_ONE, **as_numbers}}
     tx = ozo.from_deepspeed_config(section, axis_name=AXIS, mask=MASK)
     assert_same(trajectory(tx), zero_one_by_hand)
+    # step counts written as whole floats (1e5 in a JSON file) are the integers
+    as_floats = {
+        k: float(v) for k, v in ZERO_ONE.items() if k.endswith(("_step", "_scaler", "_clipper"))
+    }
+    assert as_floats
+    section = {"type": "ZeroOneAdam", "params": {**ZERO_ONE, **as_floats}}
+    assert_same(
+        trajectory(ozo.from_deepspeed_config(section, axis_name=AXIS, mask=MASK)), zero_one_by_hand
+    )
     for key, truthy in (("amsgrad", 1), ("eps_inside_sqrt", 1.0), ("amsgrad", "false")):
         with pytest.raises(ValueError, match=f"param {key}=.* is not supported"):
             ozo.from_deepspeed_config({"type": "ZeroOneAdam", "params": {key: truthy}})

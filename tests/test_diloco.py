@@ -359,6 +359,17 @@ def test_bad_arguments_are_refused_at_construction():
         ozo.local_step_sync(optax.sgd(0.1), 4, AXIS)
 
 
+def test_a_state_of_another_outer_optimizer_is_refused():
+    """A state made with Nesterov's outer step, given to a DiLoCo with Adam's: a ValueError, as
+    for a state of another optimizer (it was an AttributeError from inside optax)."""
+    x = layout([problem(2, 1)[0]] * 2)
+    made = ozo.diloco(optax.adamw(INNER_LR), nesterov(), H, AXIS)
+    other = ozo.diloco(optax.adamw(INNER_LR), optax.adam(0.1), H, AXIS)
+    state = mapped(made.init, "vmap", 2)(x)
+    with pytest.raises(ValueError, match="outer_state was not made by this outer optimizer"):
+        mapped(lambda g, s, p: other.update(g, s, p), "vmap", 2)(x, state, x)
+
+
 def test_a_wrong_schedule_names_diloco_s_own():
     """The dispatcher's error for a schedule that is not the optimizer's names DiLoCo's
     schedule too (it named 0/1 Adam's alone)."""

@@ -406,7 +406,7 @@ def test_resume_is_exact_and_a_checkpoint_moves_to_another_split():
         jax.device_put(whole[-1], NamedSharding(other, P(AXES)))
     )
     # check_worker_count takes the pair and refuses another split of the same total (it
-    # passed, and Orbax then suggested strict=False, which pads the buffers: a seventh trial)
+    # passed, and Orbax then suggested strict=False, which pads the buffers: an eighth trial)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
     ozo.check_worker_count(shapes, (2, 4))
     with pytest.raises(ValueError, match=r"8 workers in 2 nodes of 4, but this run has 4 nodes"):

@@ -392,7 +392,10 @@ def check_mask(mask: Any, params: Any) -> None:
         if jnp.shape(m) not in ((), jnp.shape(p)):
             raise ValueError(
                 f"mask leaf {where} has shape {jnp.shape(m)}; it must be a scalar or have the "
-                f"shape of the parameter, {jnp.shape(p)}."
+                f"shape of the parameter as the optimizer sees it, {jnp.shape(p)} (under "
+                "ozo.data_parallel's dp.optimizer a leaf sharded over model axes is seen one "
+                "shard at a time, and a mask cannot differ per shard: give such a leaf a "
+                "scalar mask)."
             )
         if not isinstance(m, jax.core.Tracer):
             values = np.asarray(m)

@@ -346,6 +346,7 @@ def local_step_sync_over(
 
     def update_fn(updates: Any, state: LocalStepSyncState, params: Any, **extra_args: Any) -> Any:
         params = _checked_params(updates, state, params)
+        _check_outer_state(outer, state)
         comm.update_workers(updates)
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "local_step_sync")
         hint = None if kind is None else branch_of(kind)
@@ -451,6 +452,19 @@ def _static_truth(value: Any) -> bool:
         return bool(value)
     except jax.errors.TracerBoolConversionError:
         return False
+
+
+def _check_outer_state(outer: Any, state: LocalStepSyncState) -> None:
+    """Raises ``ValueError`` where ``state.outer_state`` is not what ``outer.init`` makes (a
+    state of another outer optimizer failed deep in optax, e.g. "'TraceState' object has no
+    attribute 'mu'")."""
+    made = optax.EmptyState() if outer is None else jax.eval_shape(outer.init, state.anchor)
+    if jax.tree.structure(made) != jax.tree.structure(state.outer_state):
+        raise ValueError(
+            "The optimizer state's outer_state was not made by this outer optimizer (another "
+            "outer transform, or outer=None against one): restore a checkpoint of this "
+            "optimizer, or initialise the state with it."
+        )
 
 
 def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any:

@@ -163,6 +163,9 @@ def from_deepspeed_config(
     )
     own = {key: params[key] for key in _OWN[kind] if key in params}
     for key, value in own.items():
+        # a JSON config may write a step count as 1e5 or 12500.0; DeepSpeed only compares it
+        if isinstance(value, float) and value.is_integer():
+            own[key] = value = int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{kind} param {key} must be an integer, got {value!r}.")
     if kind == "ZeroOneAdam":
