@@ -640,7 +640,7 @@ def test_in_graph_kinds_of_a_bare_scheduled_mean_on_a_model_sharded_mesh():
     ``dp.jit`` without a schedule on the 2-D mesh: the kinds decided in the graph, inside
     ``dp.optimizer``'s per-model-shard program. It failed to trace ("switch branches must have
     equal output types": the float mean's branch typed as replicated over data, the others as
-    varying; a seventh new-user trial); now it follows the dispatched run."""
+    varying; an eighth new-user trial); now it follows the dispatched run."""
     mesh = mesh_of(2)
     params = {k: jax.device_put(x, NamedSharding(mesh, SPECS[k])) for k, x in host_params().items()}
     dp = ozo.data_parallel(mesh, params, data_axis="data")
