@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -243,6 +244,24 @@ def test_policies_alone(s, num_steps):
         clip = s["clipper"]
         bound = clip if clip & (clip - 1) == 0 else 2 * clip - 1
         assert max(np.diff([s["freeze"], *syncs, num_steps + 1])) <= bound
+
+
+@pytest.mark.parametrize("clipper", [None, 2**31 - 1, 2**30 + 7])
+def test_a_doubling_interval_near_int32s_top_stays_in_int32(clipper):
+    """The interval doubles up to its clipper (the variance policy: unclipped) with int32
+    counters on the device and Python ints on the host. It was doubled, then clipped, so past
+    2**30 it wrapped on the device (to -2**31, then 0: a sync every step there, none on the
+    host; a dispatched run raised a wrong-schedule error). Host and device now agree, and the
+    interval stays at the cap."""
+    policy = ozo.VarianceDoubling(10, 1) if clipper is None else ozo.LocalStepDoubling(1, clipper)
+    cap = 2**31 - 1 if clipper is None else clipper
+    host = ozo.core.policies.IntervalState(2**29, 0)
+    device = jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), host)
+    for _ in range(4):  # 2**30, then the cap, then the cap
+        host = policy._counted(host, 1, 1, clipper)
+        device = jax.jit(lambda st: policy._counted(st, 1, 1, clipper))(device)
+        assert int(device.interval) == host.interval
+    assert host.interval == cap
 
 
 def traced(cls, **constants):

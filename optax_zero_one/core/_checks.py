@@ -41,9 +41,10 @@ def check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
     if value > INT32_MAX:
+        never = "a step beyond" if name.endswith("step") else "a value larger than"
         raise ValueError(
             f"{name}={value} does not fit the optimizer's int32 step counters (at most "
-            f"{INT32_MAX}). For 'never', pass a step beyond the run's length, e.g. 10**9."
+            f"{INT32_MAX}). For 'never', pass {never} the run's length, e.g. 10**9."
         )
 
 

@@ -85,9 +85,11 @@ class _IntervalDoubling:
     def _counted(state: IntervalState, count: Any, limit: int, clip: int | None) -> IntervalState:
         counter = state.counter + count
         full = counter >= limit
-        interval = state.interval * (1 + full)
-        if clip is not None:
-            interval = _minimum(interval, clip)
+        # doubled, at most to the clip (or int32's largest value): i + min(i, cap - i), which
+        # never leaves int32 on the device, where i * 2 wrapped past 2**30 (to -2**31, then 0)
+        # and the host's Python ints did not
+        cap = _checks.INT32_MAX if clip is None else clip
+        interval = state.interval + full * _minimum(state.interval, cap - state.interval)
         return IntervalState(interval, counter * (1 - full))
 
 
