@@ -404,6 +404,13 @@ def test_onebit_adam_hyperparameters_out_of_range(kwargs, match):
 
 
 def test_policies_and_collective_out_of_range():
+    # the sync rules need the inner learning rate: a default of 0 zeroed the momentum at every
+    # sync, silently (a ninth new-user trial)
+    for rule in (ozo.MomentumAverage, ozo.FrozenAdamSync):
+        with pytest.raises(TypeError, match="learning_rate"):
+            rule()
+        with pytest.raises(ValueError, match="learning_rate must be a float or an optax.Schedule"):
+            rule(None)
     # the schedules of the optimizers refuse what the optimizers refuse
     with pytest.raises(ValueError, match="var_freeze_step=0: The variance is frozen after step 0"):
         ozo.zero_one_schedule(var_freeze_step=0)

@@ -171,7 +171,10 @@ class MomentumAverage(ParamsAverage):
       learning_rate: the inner transform's learning rate (a float or schedule of the count).
     """
 
-    learning_rate: optax.ScalarOrSchedule = 0.0
+    learning_rate: optax.ScalarOrSchedule  # no default: 0 would zero the momentum at syncs
+
+    def __post_init__(self) -> None:
+        _checks.check_learning_rate(self.learning_rate)
 
     def learning_rate_at(self, count: jax.Array) -> Any:
         return _checks.evaluate(self.learning_rate, count)

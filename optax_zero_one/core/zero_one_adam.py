@@ -54,10 +54,13 @@ class FrozenAdamSync(local_steps.ParamsAverage):
       variance_policy: the inner transform's variance policy (for its freeze step).
     """
 
-    learning_rate: optax.ScalarOrSchedule = 0.0
+    learning_rate: optax.ScalarOrSchedule  # no default: 0 would zero m at every sync
     eps: float = 1e-8
     variance_policy: Any = None
     inner_frozen_after_start: ClassVar[bool] = True  # start_step >= freeze (checked in errors)
+
+    def __post_init__(self) -> None:
+        _checks.check_learning_rate(self.learning_rate)
 
     def learning_rate_at(self, count: jax.Array) -> Any:
         return _checks.evaluate(self.learning_rate, count)
