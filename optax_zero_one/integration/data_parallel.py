@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -279,12 +280,27 @@ class DataParallel:
 
     # ------------------------------------------------------------------ the step
 
+    @typing.overload
+    def jit(
+        self, step: Callable[..., Any], donate: bool = True, schedule: None = None
+    ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]: ...
+
+    @typing.overload
+    def jit(
+        self, step: Callable[..., Any], donate: bool = True, *, schedule: StepSchedule
+    ) -> dispatch.KindDispatcher: ...
+
+    @typing.overload
+    def jit(
+        self, step: Callable[..., Any], donate: bool, schedule: StepSchedule
+    ) -> dispatch.KindDispatcher: ...
+
     def jit(
         self,
         step: Callable[..., Any],
         donate: bool = True,
         schedule: StepSchedule | None = None,
-    ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]:
+    ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]] | dispatch.KindDispatcher:
         """``step(params, opt_state, batch) -> (params, opt_state, aux)`` over the worker layout.
 
         ``step`` is one worker's step: its params and state, its share of the batch (the
