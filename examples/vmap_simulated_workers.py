@@ -14,9 +14,10 @@ the workers' parameters drift apart during local steps (``spread``) and that
 ``ozo.synchronized_params`` (where they were at the last sync) is identical on every worker
 (``synced spread``, float rounding only).
 
-Bytes are those a run on N devices would send, by the formulas of ``docs/algorithm.md``; they equal
-what ``ozo.comm_stats`` reads from the compiled program on N devices (see
-``examples/nnx_shard_map.py``).
+Bytes are those a run on N devices would send, by the formulas of ``docs/algorithm.md``; for the
+compressed and sync steps they equal what ``ozo.comm_stats`` reads from the compiled program on N
+devices (see ``examples/nnx_shard_map.py``); a variance step's float all-reduce also carries the
+flat layout's padding, which ``comm_stats`` counts (0.07-0.25% more at N = 5 to 8).
 """
 
 import argparse

@@ -57,7 +57,8 @@ def diloco(
       axis_name: the worker axis, or ``None`` for one worker.
       collective: how ``delta`` is averaged: ``"float"`` (exact float32, ~32 bits per element
         each way), ``"two_phase"`` or ``"psum"`` (1-bit with error feedback; each worker sends
-        up to 2 bits per element, or ``2 (N - 1) / N * ceil(log2(N + 1))``: 7 at 8 workers).
+        up to 2 bits per element, or ``2 (N - 1) / N * 32 / floor(32 / ceil(log2(N + 1)))``:
+        7 at 8 workers).
       start_step: steps before local steps begin, on which ``inner`` itself must average
         across workers (a dispatched run checks it once), e.g.
         ``optax.chain(ozo.scheduled_mean(axis_name, ozo.FullPrecisionWarmup(start_step),

@@ -33,8 +33,10 @@ per word, so ``N <= 255`` workers sum without overflow and the carries are propa
 psum (:func:`decode_scales`). A thirteenth word counts non-finite scales (then ``S`` is NaN, as
 the two-phase backend's output would be). The exact sum is then read into a float32 from its top
 three limbs and divided by ``N`` (relative error below ``2^-22``). Integer addition is
-associative, so ``S`` is bitwise the same whichever algorithm, order or process layout performs
-the all-reduce (a float ``pmean`` is not, across processes).
+associative, so the sum behind ``S`` is the same whichever algorithm, order or process layout
+performs the all-reduce (a float ``pmean``'s is not, across processes); the division by ``N``
+may be compiled as a multiplication by a rounded ``1/N`` (XLA:CPU at ``N = 3``), so two
+programs can differ in the last bit of ``S``.
 
 **Error feedback.** Summing ``out = mean_i (a_i - e_i')`` over calls ``t = 1..T`` telescopes::
 
@@ -69,8 +71,9 @@ payload and twice that through a ring; the two-phase backend sends about 2 bits 
 two rounds, a float32 all-reduce 64.
 
 Everything except the psum is elementwise, integer, or a fixed-order sum
-(:func:`optax_zero_one.core.compression.ordered_sum`), so results are bitwise identical under
-``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(axis_name=...)``.
+(:func:`optax_zero_one.core.compression.ordered_sum`), so every worker of a program gets the
+same bits, under ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(axis_name=...)``; across
+those mappings the divisions by ``N`` may round differently (see ``S`` above).
 
 Example:
   >>> tx = optax_zero_one.onebit_mean("w", collective="psum")  # inside shard_map/pmap/vmap
@@ -278,7 +281,7 @@ def compressed_mean(
         summed[words.size :].reshape(layout.num_leaves, SCALE_WORDS), num_workers
     )
     scale = layout.per_column(shared.astype(x.dtype))
-    level = (2 * counts - num_workers).astype(x.dtype) / num_workers  # exact integer, 1 rounding
+    level = (2 * counts - num_workers).astype(x.dtype) / num_workers  # exact integer, divided
     mean = jnp.where(element, scale * level, 0)
     new_error = jnp.where(element, a - jnp.where(signs, scale, -scale), 0)
     return mean, new_error, jnp.all(jnp.isfinite(shared))
