@@ -551,7 +551,6 @@ class KindDispatcher:
         _, where, types, _ = self._layout
         return leaves[where[0]], [(cls, leaves[i]) for cls, i in zip(types, where[1:])]
 
-    @outside_user_mesh
     def _sync_with(self, state: Any) -> None:
         if self._last_counter is not None:  # a loop passing back the last state: no flatten
             counter, _ = self._probe(state, trusted=True, counter_only=True)
