@@ -430,6 +430,11 @@ def test_bad_input_is_refused_with_the_fix():
     tx = dp.optimizer(make_tx())
     with pytest.raises(ValueError, match=r"not in the worker layout.*dp.to_workers\(params\)"):
         dp.init(tx, params)
+    # the optax way to plan shardings, outside the helper's programs (JAX: "shard_map requires
+    # a non-empty mesh")
+    with pytest.raises(ValueError, match=r"jax.eval_shape\(lambda p: dp.init\(tx, p\), params_w"):
+        jax.eval_shape(tx.init, dp.to_workers(params))
+    assert jax.eval_shape(lambda p: dp.init(tx, p), dp.to_workers(params)) is not None
 
     def step(p, s, x):
         u, s = tx.update(jax.grad(loss_fn)(p, x), s, p)
@@ -670,3 +675,99 @@ def test_in_graph_kinds_of_a_bare_scheduled_mean_on_a_model_sharded_mesh():
         runs.append(jax.tree.leaves(dp.synchronized_params(p, s)))
     for a, b in zip(*runs, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_restored_host_copy_is_placed_as_the_error_says_and_resumes_bitwise():
+    """A worker-layout checkpoint read back as numpy arrays (np.savez, pickle) passed to a fresh
+    step: the error names a host array and the placement (not dp.to_workers, which would add a
+    second worker axis); placed as it says, the run goes on bitwise as the uninterrupted one."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    dp, tx, step, params = job.setup(mesh)
+    xs = batches(12)
+    params_w = dp.to_workers(params)
+    state = dp.init(tx, params_w)
+    train = dp.jit(step, schedule=SCHEDULE, donate=False)
+    for x in xs[:9]:  # into the local steps
+        params_w, state, _ = train(params_w, state, x)
+    host = jax.device_get((params_w, state))
+    for x in xs[9:]:
+        params_w, state, _ = train(params_w, state, x)
+
+    resumed = dp.jit(step, schedule=SCHEDULE)  # as in a new process
+    with pytest.raises(ValueError, match=r"(?s)host array.*jax.device_put\(restored.*dp.to_work"):
+        resumed(*host, xs[9])
+    template = (dp.to_workers(params), dp.init(tx, dp.to_workers(params)))
+    p, s = jax.device_put(host, jax.tree.map(lambda x: x.sharding, template))
+    for x in xs[9:]:
+        p, s, _ = resumed(p, s, x)
+    for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((params_w, state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # a value set by hand in the state as a Python scalar: keep the leaf's layout
+    leaves, treedef = jax.tree.flatten(state)
+    by_hand = jax.tree.unflatten(treedef, [1e-3] + leaves[1:])
+    with pytest.raises(ValueError, match=r"set by hand.*jnp.full_like\(old_leaf, value\)"):
+        dp.check_worker_layout(by_hand, "opt_state")
+
+
+@pytest.mark.parametrize("schedule", [None, SCHEDULE], ids=["in-graph", "dispatched"])
+def test_arrays_a_donating_step_consumed_raise_instead_of_crashing(schedule):
+    """Launching a program with donated (deleted) buffers crashes XLA:CPU's process (jax
+    0.10); the step raises first, naming the argument and the fix."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    dp, tx, step, params = job.setup(mesh)
+    train = dp.jit(step, schedule=schedule)
+    p = dp.to_workers(params)
+    s = dp.init(tx, p)
+    xs = batches(3)
+    p_old, s_old = p, s
+    p, s, _ = train(p, s, xs[0])
+    p1, s1 = p, s
+    p, s, _ = train(p, s, xs[1])  # both programs compiled: the executables' own path
+    with pytest.raises(RuntimeError, match="given params that an earlier call consumed"):
+        train(p1, s, xs[2])
+    with pytest.raises(RuntimeError, match="given opt_state that an earlier call consumed"):
+        train(p, s_old, xs[2])
+    del p_old, s1
+    train(p, s, xs[2])  # the run itself goes on
+
+
+def test_a_schedule_with_a_state_of_another_optimizer_says_to_drop_it():
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    dp, _, _, params = job.setup(mesh)
+    adam = optax.adam(1e-3)
+
+    def step(p, s, x, step_kind=None):
+        u, s = adam.update(jax.grad(loss_fn)(p, x), s, p)
+        return optax.apply_updates(p, u), s, None
+
+    p = dp.to_workers(params)
+    train = dp.jit(step, schedule=SCHEDULE)
+    with pytest.raises(ValueError, match=r"drop the schedule; else the step's second argument"):
+        train(p, dp.init(adam, p), batches(1)[0])
+
+
+def test_a_zero_size_leaf_keeps_its_sharding_and_every_kind_compiles_once():
+    """XLA gives a zero-size output a replicated sharding whatever a constraint inside the
+    program says; the step's outputs then differed from its inputs and every precompiled
+    kind was compiled again (with a warning) at its second use."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    params = {"w": jnp.ones((16, 4)), "z": jnp.zeros((0, 4))}
+    dp = ozo.data_parallel(mesh, params)
+    tx = dp.optimizer(make_tx())
+
+    def step(p, s, x, step_kind=None):
+        g = jax.grad(lambda q: jnp.mean((x @ q["w"]) ** 2) + jnp.sum(q["z"]))(p)
+        u, s = tx.update(g, s, p, step_kind=step_kind)
+        return optax.apply_updates(p, u), s, None
+
+    p = dp.to_workers(params)
+    s = dp.init(tx, p)
+    train = dp.jit(step, schedule=SCHEDULE)
+    train.precompile(p, s, batches(1)[0])
+    before = p["z"].sharding
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no precompiled program refused
+        for x in batches(14):  # every kind, each more than once
+            p, s, _ = train(p, s, x)
+    assert p["z"].sharding.is_equivalent_to(before, 3)

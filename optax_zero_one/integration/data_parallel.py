@@ -58,6 +58,25 @@ def _spec_axes(spec: P) -> set[str]:
     return axes
 
 
+def _first_leaf(tree: Any) -> Any:
+    """A leaf of ``tree`` found without flattening it (~1 us: host time each step), or None
+    where the way down goes through another kind of node."""
+    while isinstance(tree, (dict, list, tuple)) and tree:
+        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
+    return tree if isinstance(tree, jax.Array) else None
+
+
+def _check_not_donated(params: Any, opt_state: Any) -> None:
+    """Raises ``RuntimeError`` where the step is given params or state an earlier call of a
+    donating step consumed: launched with them, XLA:CPU crashes the process (a segmentation
+    fault, jax 0.10) instead of raising. A donated tree is consumed whole, so one leaf of each
+    tells."""
+    for name, tree in (("params", params), ("opt_state", opt_state)):
+        leaf = _first_leaf(tree)
+        if leaf is not None and leaf.is_deleted():
+            raise dispatch.consumed(name, "dp.jit(..., donate=False)")
+
+
 def _leaf_name(path: Any) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
@@ -175,10 +194,36 @@ class DataParallel:
                 raise ValueError(
                     f"{what} is not in the worker layout: leaf {_leaf_name(path)} has shape "
                     f"{shape} and sharding {getattr(x, 'sharding', None)}, not a leading axis of "
-                    f"{self.num_workers} data workers sharded over {self.data_axis!r}. Convert "
-                    "your params with dp.to_workers(params) and build the state with "
-                    "dp.init(tx, params)."
+                    f"{self.num_workers} data workers sharded over {self.data_axis!r}. "
+                    + self._layout_advice(x, shape, what)
                 )
+
+    def _layout_advice(self, x: Any, shape: tuple, what: str) -> str:
+        """What to do about a leaf :meth:`check_worker_layout` refused."""
+        template = "dp.to_workers(params)" if what == "params" else "dp.init(tx, params_w)"
+        place = (
+            f"place it as the step's arrays are placed: jax.device_put(restored, "
+            f"jax.tree.map(lambda x: x.sharding, {template})) (or restore with Orbax against "
+            "that template's shapes and shardings: docs/reliability.md)."
+        )
+        if shape and shape[0] == self.num_workers:  # the right shape, placed otherwise
+            host = not isinstance(x, jax.Array)
+            return (
+                "It is a host array (e.g. read back from a checkpoint): "
+                if host
+                else "To move it: "
+            ) + place
+        if what == "opt_state" and not shape:
+            return (
+                "A value set by hand in the state (e.g. inject_hyperparams' "
+                "hyperparams['learning_rate'] = 1e-3) must keep the leaf's worker layout: set "
+                "it as jnp.full_like(old_leaf, value)."
+            )
+        return (
+            "Convert your params with dp.to_workers(params) and build the state with "
+            "dp.init(tx, params); a tree restored from a checkpoint of the worker layout is "
+            "placed instead: " + place
+        )
 
     # ------------------------------------------------------------------ optimizer
 
@@ -240,9 +285,18 @@ class DataParallel:
     def _per_shard(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
         """``fn`` inside the step, manual over the other axes too: it sees each device's shard.
         (Replicated leaves are identical on every shard by construction, hence no check_vma.)"""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:  # called outside the helper's programs (JAX: "a non-empty mesh")
+            raise ValueError(
+                "dp.optimizer(tx) on a model-sharded mesh runs init and update on each "
+                "device's shard, inside the helper's programs: build the state with "
+                "dp.init(tx, params_w) (shapes only, e.g. to plan shardings: "
+                "jax.eval_shape(lambda p: dp.init(tx, p), params_w)) and call update in the "
+                "step given to dp.jit."
+            )
         return jax.shard_map(
             fn,
-            mesh=jax.sharding.get_abstract_mesh(),
+            mesh=mesh,
             in_specs=in_specs,
             out_specs=out_specs,
             axis_names=set(self.other_axes),
@@ -343,32 +397,32 @@ class DataParallel:
                 step if kind is None else functools.partial(step, step_kind=kind), kind is not None
             )
 
-            # The shardings of params and state as the program is lowered for them: its outputs
-            # keep them. Left free, XLA may shard a replicated leaf's output over another axis
-            # (a bias over "model"), and the next step, given other shardings, compiles again.
-            kept: list[Any] = [None]
-
             def whole(params: Any, opt_state: Any, batch: Any) -> Any:
                 # the batch split into the workers' shares inside the program: one launch
                 shares = jax.lax.with_sharding_constraint(split(batch), by_worker)
-                new_params, new_state, aux = one(params, opt_state, shares)
-                if kept[0] is not None:
-                    values, treedef = jax.tree.flatten((new_params, new_state))
-                    values = [
-                        x if s is None else jax.lax.with_sharding_constraint(x, s)
-                        for x, s in zip(values, kept[0], strict=True)
-                    ]
-                    new_params, new_state = jax.tree.unflatten(treedef, values)
-                return new_params, new_state, aux
-
-            def keep(params: Any, opt_state: Any) -> None:
-                leaves = jax.tree.leaves((params, opt_state))
-                shardings = [getattr(x, "sharding", None) for x in leaves]
-                kept[0] = [s if isinstance(s, NamedSharding) else None for s in shardings]
+                return one(params, opt_state, shares)
 
             # with a kind, the dispatcher's counts come out of the same program: one launch
             body = whole if kind is None else dispatch.with_counts(whole, 1)
-            mapped = jax.jit(body, donate_argnums=donated)
+            mapped: list[Any] = [None]  # jitted at the first call, for its shardings
+
+            def keep(params: Any, opt_state: Any) -> None:
+                # The shardings of params and state as the program is lowered for them: its
+                # outputs keep them. Left free, XLA may shard a replicated leaf's output over
+                # another axis (a bias over "model"), and the next step, given other shardings,
+                # compiles again. As out_shardings, not a constraint inside: XLA gives a
+                # zero-size output a replicated sharding whatever a constraint says.
+                named = lambda x: x if isinstance(x, NamedSharding) else None  # noqa: E731
+                kept = jax.tree.map(
+                    lambda x: named(getattr(x, "sharding", None)), (params, opt_state)
+                )
+                outs = (*kept, None)
+                mapped[0] = jax.jit(
+                    body,
+                    donate_argnums=donated,
+                    out_shardings=outs if kind is None else (outs, None),
+                )
+
             # The executable compiled for the first call's (checked) arguments. It checks every
             # later call's shapes, dtypes and shardings itself, in C++, before it runs, so a
             # loop passing back what it got runs no Python check: checking each leaf's layout
@@ -377,6 +431,7 @@ class DataParallel:
             first: list[Any] = [None]
 
             def program(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+                _check_not_donated(params, opt_state)
                 if first[0] is not None:
                     try:
                         return first[0](params, opt_state, batch)
@@ -385,9 +440,9 @@ class DataParallel:
                 check(params, opt_state, batch)
                 if first[0] is None:
                     keep(params, opt_state)
-                    first[0] = mapped.lower(params, opt_state, batch).compile()
+                    first[0] = mapped[0].lower(params, opt_state, batch).compile()
                     return first[0](params, opt_state, batch)
-                return mapped(params, opt_state, batch)  # jit compiles for the others
+                return mapped[0](params, opt_state, batch)  # jit compiles for the others
 
             def lower(params: Any, opt_state: Any, batch: Any) -> Any:  # for precompile
                 if not any(
@@ -396,7 +451,7 @@ class DataParallel:
                 ):
                     check(params, opt_state, batch)
                 keep(params, opt_state)
-                return mapped.lower(params, opt_state, batch)
+                return mapped[0].lower(params, opt_state, batch)
 
             program.lower = lower  # type: ignore[attr-defined]
             return program
@@ -405,7 +460,12 @@ class DataParallel:
             return compile_kind(None)
         _check_takes_step_kind(step)
         return dispatch.KindDispatcher(
-            compile_kind, schedule, counts_in_program=True, params_index=0
+            compile_kind,
+            schedule,
+            counts_in_program=True,
+            params_index=0,
+            where_state="the step's second argument must be opt_state: step(params, opt_state, "
+            "batch)",
         )
 
     def _check_batch(self, batch: Any) -> None:

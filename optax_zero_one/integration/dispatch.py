@@ -112,8 +112,8 @@ class _Precompiled:
                 self.compiled = None
                 warnings.warn(
                     f"the program precompiled for the {self.name!r} kind does not take these "
-                    f"arguments ({str(err).splitlines()[0]}); it is compiled again for them at "
-                    "this call, as jax.jit would. Pass precompile() arguments like the step's.",
+                    f"arguments ({_mismatch(err)}); it is compiled again for them at this "
+                    "call, as jax.jit would. Pass precompile() arguments like the step's.",
                     stacklevel=3,
                 )
         return self.program(*args)
@@ -162,6 +162,25 @@ def _shape_of(x: Any) -> Any:
         sharding = None if single else x.sharding
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _mismatch(err: Exception) -> str:
+    """What an executable's refusal of its arguments says differs (JAX's message opens with a
+    guess about x64 mode, then lists the mismatches)."""
+    text = str(err)
+    head, found, rest = text.partition("The mismatches are:")
+    lines = [line.strip() for line in (rest if found else head).splitlines() if line.strip()]
+    return "; ".join(lines[:3]) if lines else type(err).__name__
+
+
+def consumed(name: str, instead: str) -> RuntimeError:
+    """The error for a step given ``name`` (params or state) that a donating call consumed."""
+    return RuntimeError(
+        f"the step was given {name} that an earlier call consumed: the step donates its "
+        "params and state, so their buffers went to that call's results. Pass the arrays the "
+        "last call returned (params, opt_state, aux = step(params, opt_state, batch)); keep a "
+        f"copy (jnp.copy) of any you need later, or build the step with {instead}."
+    )
 
 
 def _deleted(x: Any) -> bool:
@@ -228,6 +247,7 @@ class KindDispatcher:
         check_every: int = 8,
         counts_in_program: bool = False,
         params_index: int | None = None,
+        where_state: str = "pass state_index= the position of opt_state",
     ):
         if not isinstance(schedule, StepSchedule):
             raise ValueError(
@@ -244,6 +264,7 @@ class KindDispatcher:
         self._compile = compile_kind
         self.schedule = schedule
         self._state_index = state_index
+        self._where_state = where_state  # what to do where that argument holds no state
         self._lag = lag
         self.check_every = check_every
         self._since_check = 0
@@ -557,11 +578,16 @@ class KindDispatcher:
             if counter is self._last_counter:
                 return
         counter, refused = self._probe(state)
+        if _deleted(counter):
+            raise consumed("opt_state", "no donation (donate=False, or no donate_argnums)")
         if counter is None:
             _graph.check_not_nnx_state(state, "The step dispatched by kind")
             raise ValueError(
                 f"argument {self._state_index} of the step holds no optimizer state of "
-                "optax_zero_one (no step counter); pass state_index= the position of opt_state."
+                "optax_zero_one (no step counter). A schedule names the step kinds of this "
+                "library's optimizers (zero_one_adam, onebit_adam, diloco, local_step_sync), "
+                "whose states count their steps: with another optimizer, drop the schedule; "
+                f"else {self._where_state}."
             )
         if counter is not self._last_counter:  # first call, or a state from elsewhere
             _check_one_count(state)
