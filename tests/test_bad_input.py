@@ -451,6 +451,20 @@ def test_worker_helpers_refuse_swapped_or_malformed_arguments():
     for bad in (0, 4.0, "4"):
         with pytest.raises(ValueError, match="num_workers must be an integer >= 1"):
             ozo.replicate(params, bad)
+    with pytest.raises(ValueError, match=r"axis_name must be a non-empty str, got 4.*\(axis_"):
+        ozo.worker_mesh(4, "w")
+    with pytest.raises(ValueError, match="num_workers must be an integer >= 1"):
+        ozo.worker_mesh("w", 0)
+    # past the freeze (anchored), params of another shape than the state's are named, where
+    # they were paired by position and broadcast (or raised deep in jnp.where)
+    tx = ozo.zero_one_adam(0.1, var_freeze_step=1)
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update(params, state, params)
+    assert bool(ozo.synchronized_params(params, state)["w"].shape == (3, 2))
+    for wrong in ({"w": jnp.ones((1, 2))}, {"w": jnp.ones(())}):
+        with pytest.raises(ValueError, match=r"params leaf \['w'\] has shape .*, but the opt"):
+            ozo.synchronized_params(wrong, state)
 
 
 # --- values the compression cannot represent ------------------------------------------------------

@@ -123,6 +123,13 @@ def worker_mesh(
       >>> mesh = worker_mesh("w")  # every device of every process
       >>> mesh = worker_mesh("w", 4)  # the first 4 devices
     """
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(
+            f"worker_mesh's axis_name must be a non-empty str, got {axis_name!r}: the "
+            'arguments are (axis_name, num_workers), e.g. worker_mesh("w", 4).'
+        )
+    if num_workers is not None:
+        _checks.check_int("num_workers", num_workers, 1)
     devices = jax.devices() if devices is None else devices
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     if num_workers is not None:

@@ -150,8 +150,14 @@ def _at_anchor(params: Any, state: LocalStepSyncState) -> tuple[Any, set[str]]:
         anchor = anchor.to_tree()
     anchored = jnp.asarray(state.anchored)
 
-    def pick(x: Any, a: Any) -> Any:
+    def pick(x: Any, a: Any, path: str) -> Any:
         x, a = jnp.asarray(x), jnp.asarray(a)
+        if x.shape != a.shape:
+            raise ValueError(
+                f"params leaf {path} has shape {x.shape}, but the optimizer state's last "
+                f"synchronised point has {a.shape}: pass the params this state was built for "
+                "(both one worker's, or both in the worker layout)."
+            )
         flag = anchored.reshape(anchored.shape + (1,) * (a.ndim - anchored.ndim))
         return jnp.where(flag, a.astype(x.dtype), x)
 
@@ -160,7 +166,8 @@ def _at_anchor(params: Any, state: LocalStepSyncState) -> tuple[Any, set[str]]:
     paths = [key(path) for path, _ in flat]
     anchors = jax.tree_util.tree_leaves_with_path(anchor)
     if len(anchors) == len(flat):  # the whole tree (wrapper nodes may differ)
-        picked = [pick(x, a) for (_, x), (_, a) in zip(flat, anchors, strict=True)]
+        pairs = zip(paths, flat, anchors, strict=True)
+        picked = [pick(x, a, p) for p, (_, x), (_, a) in pairs]
         return jax.tree.unflatten(treedef, picked), set(paths)
     at = {key(path): a for path, a in anchors}
     unknown = sorted(set(at) - set(paths))
@@ -169,5 +176,5 @@ def _at_anchor(params: Any, state: LocalStepSyncState) -> tuple[Any, set[str]]:
             f"opt_state's last synchronised point holds leaves {unknown[:3]} that params has "
             "not: pass the params this optimizer updates (the whole tree given to update)."
         )
-    picked = [pick(x, at[p]) if p in at else x for p, (_, x) in zip(paths, flat, strict=True)]
+    picked = [pick(x, at[p], p) if p in at else x for p, (_, x) in zip(paths, flat, strict=True)]
     return jax.tree.unflatten(treedef, picked), set(at)
