@@ -283,3 +283,39 @@ def test_state_can_be_donated():
         for _ in range(3):
             _, state = step(params, state, {"w": jnp.ones(8)})
         jax.block_until_ready(state)
+
+
+def _decay_per_step(tx, steps, x0=1.0):
+    """Per-step shrink rate of uniform params under zero gradients, over the last half of
+    ``steps`` (uniform values: every compressed quantity is exact)."""
+    params = {"x": jnp.full((8,), x0, jnp.float32)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    xs = []
+    for _ in range(steps):
+        u, state = update(jax.tree.map(jnp.zeros_like, params), state, params)
+        params = optax.apply_updates(params, u)
+        xs.append(float(params["x"][0]))
+    half = steps // 2
+    return 1.0 - (xs[-1] / xs[half - 1]) ** (1.0 / (steps - half))
+
+
+def test_weight_decay_also_enters_the_momentum_at_syncs():
+    """docs/parameters.md, "Weight decay in phase B": a sync sets m to the interval's mean
+    direction times (sqrt(v) + eps), weight decay included (as DeepSpeed's 0/1 Adam does), so
+    the decay is applied again through m. With a sync at every step and no gradient, m/(s x)
+    settles at mu, the smaller root of b1 lr mu^2 + (wd lr - (1 - b1)) mu + wd = 0 (from
+    m' = b1 m + wd s x and x' = x / (1 + lr mu)): about 1/(1 - b1) times AdamW's decay. Before
+    the freeze, and in 1-bit Adam, the decay is AdamW's, lr wd per step."""
+    lr, wd, b1 = 1e-3, 0.1, 0.9
+    adamw = 1.0 - (1.0 - lr * wd)
+    phase_a = ozo.zero_one_adam(lr, weight_decay=wd, var_freeze_step=10**6)
+    np.testing.assert_allclose(_decay_per_step(phase_a, 200), adamw, rtol=2e-3)
+    onebit = ozo.onebit_adam(lr, weight_decay=wd, freeze_step=5)
+    np.testing.assert_allclose(_decay_per_step(onebit, 200), adamw, rtol=2e-3)
+
+    synced = ozo.zero_one_adam(lr, weight_decay=wd, var_freeze_step=5, local_step_clipper=1)
+    mu = min(np.roots([b1 * lr, wd * lr - (1 - b1), wd]))
+    expected = 1.0 - 1.0 / (1.0 + lr * mu)
+    np.testing.assert_allclose(_decay_per_step(synced, 400), expected, rtol=2e-3)
+    assert 9.5 < expected / adamw < 10.5  # ~1/(1 - b1)
