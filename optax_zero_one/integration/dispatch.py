@@ -94,29 +94,50 @@ def with_counts(fn: Callable[..., Any], state_index: int) -> Callable[..., Any]:
 
 class _Precompiled:
     """A kind's program compiled ahead of time (:meth:`KindDispatcher.precompile`), called
-    instead of the jitted one while the arguments are like those it was compiled for."""
+    instead of the jitted one while the arguments are like those it was compiled for.
+
+    A call with other arguments (an epoch's last, shorter batch) runs the jitted program,
+    which compiles for them as ``jax.jit`` would, and the precompiled one stays for the calls
+    after it: dropped, the next call like precompile's made the jitted program compile again,
+    and every later step went through its argument checks (+30% host time per step at 100
+    leaves). It is dropped only after :data:`STALE_AFTER` such calls in a row: the run's
+    arguments have changed for good, and each refusal costs an exception."""
 
     def __init__(self, compiled: Any, program: Callable[..., Any], name: str):
         self.compiled, self.program, self.name = compiled, program, name
+        self.misses = 0  # calls in a row that it did not take
+        self.warned = False
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
             try:
-                return self.compiled(*args)
+                out = self.compiled(*args)
             except (TypeError, ValueError) as err:
                 # raised by the executable's check of its arguments, before it runs (nothing
                 # donated yet): other shapes, dtypes, tree or shardings than at precompile;
                 # or arrays a donated step consumed, which no program takes: raised as it is
                 if any(_deleted(x) for x in jax.tree.leaves(args)):
                     raise
-                self.compiled = None
-                warnings.warn(
-                    f"the program precompiled for the {self.name!r} kind does not take these "
-                    f"arguments ({_mismatch(err)}); it is compiled again for them at this "
-                    "call, as jax.jit would. Pass precompile() arguments like the step's.",
-                    stacklevel=3,
-                )
+                self.misses += 1
+                if self.misses >= STALE_AFTER:
+                    self.compiled = None
+                if not self.warned:
+                    self.warned = True
+                    warnings.warn(
+                        f"the program precompiled for the {self.name!r} kind does not take "
+                        f"these arguments ({_mismatch(err)}); they get a program compiled for "
+                        "them, as jax.jit would, and calls like precompile's keep the "
+                        "precompiled one. Pass precompile() arguments like the step's.",
+                        stacklevel=3,
+                    )
+            else:
+                self.misses = 0
+                return out
         return self.program(*args)
+
+
+# Calls in a row with arguments a precompiled program does not take after which it is dropped.
+STALE_AFTER = 16
 
 
 def _check_one_update_per_call(state: Any) -> None:
@@ -330,7 +351,8 @@ class KindDispatcher:
         less time than one after the other (measured: docs/benchmarks/overhead.md). Each call
         after runs the precompiled executable; one whose arguments differ from these (shapes,
         dtypes, shardings) warns once and falls back to compiling for them, as ``jax.jit``
-        would. The programs of ``compile_kind`` must have ``.lower`` (``jax.jit`` and
+        would, and later calls like precompile's run the precompiled executable again. The
+        programs of ``compile_kind`` must have ``.lower`` (``jax.jit`` and
         ``jax.pmap`` functions and :meth:`~optax_zero_one.DataParallel.jit` do).
 
         Args:
