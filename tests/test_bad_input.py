@@ -357,6 +357,8 @@ ZERO_ONE_NONSENSE = [
     (dict(b2=1.5), r"b2 must be in"),
     (dict(eps=-1e-8), r"eps must be in"),
     (dict(eps=float("nan")), r"eps must be in"),
+    (dict(eps=0.0), r"eps must be >= 1.18e-38 .*got 0.0"),
+    (dict(eps=1e-39), r"eps must be >= 1.18e-38 .*a smaller eps is 0 in float32"),
     (dict(weight_decay=-0.1), r"weight_decay must be in"),
     (dict(learning_rate=-0.1), r"learning_rate must be in"),
     (dict(learning_rate=float("nan")), r"learning_rate must be in"),
@@ -365,7 +367,8 @@ ZERO_ONE_NONSENSE = [
     (dict(learning_rate=None), r"learning_rate must be a float or an optax.Schedule"),
     (dict(learning_rate=True), r"learning_rate must be a float or an optax.Schedule"),
     (dict(var_freeze_step=-1), r"var_freeze_step=-1: The variance is frozen after step -1"),
-    (dict(var_freeze_step=1.5), r"var_freeze_step must be an integer >= 0"),
+    (dict(var_freeze_step=1.5), r"var_freeze_step must be an integer >= 1"),
+    (dict(var_freeze_step=5.0), r"var_freeze_step must be an integer >= 1, got 5.0"),
     (dict(var_freeze_step=0), r"frozen after step 0, before any step has measured it"),
     (dict(var_freeze_step=10**12), r"var_freeze_step=1000000000000 does not fit .* int32"),
     (dict(var_update_scaler=0), r"var_update_scaler must be an integer >= 1"),
@@ -390,7 +393,8 @@ ONEBIT_NONSENSE = [
     (dict(learning_rate=-1.0), r"learning_rate must be in"),
     (dict(learning_rate="fast"), r"learning_rate must be a float"),
     (dict(freeze_step=-1), r"freeze_step=-1: The variance is frozen after step -1"),
-    (dict(freeze_step=2.0), r"freeze_step must be an integer >= 0"),
+    (dict(freeze_step=2.0), r"freeze_step must be an integer >= 1"),
+    (dict(eps=1e-40), r"eps must be >= 1.18e-38"),
     (dict(freeze_step=0), r"frozen after step 0.*onebit_adam's freeze_step >= 1"),
     (dict(freeze_step=2**31), r"freeze_step=2147483648 does not fit .* int32"),
 ]
@@ -418,6 +422,10 @@ def test_policies_and_collective_out_of_range():
         ozo.onebit_schedule(0)
     with pytest.raises(ValueError, match="var_freeze_step must be an integer >= 0"):
         ozo.VarianceDoubling(freeze_step=-5)
+    for schedule in (lambda: ozo.diloco_schedule(2, start_step=-1),
+                     lambda: ozo.local_step_schedule(ozo.SyncEvery(2), start_step=-1)):  # fmt: skip
+        with pytest.raises(ValueError, match="start_step must be an integer >= 0, got -1"):
+            schedule()
     with pytest.raises(ValueError, match="local_step_clipper must be an integer >= 1"):
         ozo.LocalStepDoubling(clipper=0)
     with pytest.raises(ValueError, match="collective must be one of"):

@@ -467,7 +467,10 @@ def check_transformation(name: str, tx: Any) -> Any:
 def check_variance_measured(freeze: Any, name: str = "") -> None:
     """Raises ``ValueError`` for a static variance freeze step below 1 (a negative one too:
     the same reason, said at once; ``name`` the argument's, for its message)."""
-    if not is_static_number(freeze) or isinstance(freeze, bool) or freeze >= 1:
+    if not is_static_number(freeze) or isinstance(freeze, bool):
+        return
+    if freeze >= 1:
+        check_int(name or "the freeze step", freeze, 1)  # a step number: an integer
         return
     given = f"{name}={freeze}: " if name else ""
     raise ValueError(

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_zero_one.core import _checks, _graph, kinds, policies
@@ -123,10 +124,14 @@ def scale_by_frozen_variance_adam(
     _checks.check_range("b1", b1, 0.0, 1.0, high_open=True)
     _checks.check_range("b2", b2, 0.0, 1.0, high_open=True)
     _checks.check_range("eps", eps, 0.0, float("inf"), high_open=True)
-    if _checks.is_static_number(eps) and eps == 0:
+    # below float32's smallest normal number eps is 0 to the update's arithmetic (flushed on
+    # XLA:CPU): a coordinate that never had a gradient then computes 0 / 0
+    if _checks.is_static_number(eps) and eps < np.finfo(np.float32).tiny:
         raise ValueError(
-            "eps must be > 0: a coordinate whose frozen variance is 0 would divide by zero at "
-            "every step after the freeze. Use e.g. eps=1e-8 (Adam's and DeepSpeed's default)."
+            f"eps must be >= {np.finfo(np.float32).tiny:.3g} (float32's smallest normal "
+            f"number), got {eps}: a coordinate whose frozen variance is 0 would divide by zero "
+            "at every step after the freeze (a smaller eps is 0 in float32). Use e.g. "
+            "eps=1e-8 (Adam's and DeepSpeed's default)."
         )
     policy = variance_policy or policies.VarianceDoubling()
     _checks.check_variance_measured(getattr(policy, "freeze_step", None))

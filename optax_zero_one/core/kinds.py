@@ -225,6 +225,7 @@ def local_step_schedule(local_step_policy: Any, start_step: int = 0) -> StepSche
       >>> [schedule.kind(k).name for k in (1, 2, 3, 4)]
       ['local', 'local', 'sync', 'local']
     """
+    _checks.check_int("start_step", start_step, 0)
     return StepSchedule(policies.FullPrecisionWarmup(start_step), local_step_policy)
 
 
