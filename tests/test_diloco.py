@@ -308,6 +308,30 @@ def test_a_sync_whose_mean_overflows_keeps_the_outer_momentum():
     assert np.isfinite(np.asarray(x[0])).all()
 
 
+@pytest.mark.parametrize("hinted", [False, True], ids=["in-graph", "hinted"])
+def test_a_skipped_sync_keeps_an_optax_inner_state_whole(hinted):
+    """A sync skipped because its mean overflowed: the step is skipped, so the inner AdamW's
+    moments and count stay as they were (they took the step's gradient and kept it while the
+    count went back: moments one step ahead of their bias correction). Everything but
+    skipped_updates is bitwise as before the step."""
+    n = 2
+    sgd = optax.sgd(1.0)
+    tx = ozo.diloco(optax.adam(0.1), sgd, H, AXIS, collective="float")
+    run = stepper(tx, n, ozo.diloco_schedule(H) if hinted else None)
+    x = [jnp.ones((n, 1), jnp.float32)]
+    state = mapped(tx.init, "vmap", n)(x)
+    for k in range(1, 2 * H):
+        x, state = run(k, x, state, [jnp.full((n, 1), 0.1 * k, jnp.float32)])
+    before = (x, state._replace(skipped_updates=0))
+    # each worker's move finite, their float sum not: 3e38 apart from the anchor, twice
+    far = [jnp.full((n, 1), 3e38, jnp.float32)]
+    x2, state2 = run(2 * H, far, state, [jnp.full((n, 1), 0.5, jnp.float32)])
+    assert np.asarray(state2.skipped_updates).tolist() == [1] * n
+    after = (x, state2._replace(skipped_updates=0))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("collective", ["float", "two_phase"])
 def test_what_each_step_kind_sends(collective):
     """On 8 simulated devices under shard_map: a local step sends nothing; a sync one float32

@@ -230,8 +230,8 @@ def local_step_sync(
     every counter; ``skipped_updates`` grows). After it each worker's gradient is its own: a
     non-finite one is replaced by zero on that worker (``dropped_local_grads``), so local steps
     and syncs go on. Should a sync's mean still not be finite (an overflow), the sync is skipped
-    together: no move, the anchor and the counters are kept (the inner state keeps this step's
-    local update).
+    together: no move, the anchor, the counters and an optax inner state (e.g. AdamW's moments)
+    are kept; a frozen-variance Adam's momentum keeps this step's local update.
 
     Args:
       inner: the transformation run on every step (locally after ``start_step``).
@@ -415,6 +415,10 @@ def local_step_sync_over(
                 )
             inner_state = rule.after_sync(inner_state, mean, lr_sum, finite)
             inner_state, own = _give_back(rule, inner_state, start_step, own, errors)
+            # a skipped sync leaves an optax inner state (AdamW's moments, which took this
+            # step's gradient) as it was, with its count; this library's states keep their
+            # buffers themselves (0/1 Adam's momentum keeps the local update: documented)
+            inner_state = _graph.restore_skipped(finite, inner_state, state.inner_state)
             out = jax.tree.map(lambda a, x: jnp.where(finite, a - x, jnp.nan), anchor, x)
             lr_sum = jnp.zeros_like(lr_sum)
         new_state = LocalStepSyncState(
