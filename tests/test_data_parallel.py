@@ -732,6 +732,22 @@ def test_arrays_a_donating_step_consumed_raise_instead_of_crashing(schedule):
     train(p, s, xs[2])  # the run itself goes on
 
 
+def test_the_consumed_check_finds_an_array_in_any_tree():
+    """One leaf is looked at, found without a flatten (host time each step), through dicts,
+    tuples and other nodes (Flax NNX's State of Variables)."""
+    from optax_zero_one.integration.data_parallel import _first_leaf
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (3, 2)))
+
+    _, state = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+    assert _first_leaf(state) is jax.tree.leaves(state)[0]
+    tree = {"a": (jnp.ones(2), None), "b": 1.0}
+    assert _first_leaf(tree) is tree["a"][0]
+    assert _first_leaf({"a": None}) is None and _first_leaf(()) is None
+
+
 def test_a_schedule_with_a_state_of_another_optimizer_says_to_drop_it():
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
     dp, _, _, params = job.setup(mesh)

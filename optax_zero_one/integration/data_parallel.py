@@ -59,11 +59,23 @@ def _spec_axes(spec: P) -> set[str]:
 
 
 def _first_leaf(tree: Any) -> Any:
-    """A leaf of ``tree`` found without flattening it (~1 us: host time each step), or None
-    where the way down goes through another kind of node."""
-    while isinstance(tree, (dict, list, tuple)) and tree:
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return tree if isinstance(tree, jax.Array) else None
+    """An array of ``tree`` found without flattening it (host time each step: ~1 us through
+    dicts and tuples, ~6 us through Flax NNX's State, where a flatten takes ~80 us at 100
+    leaves), or None if its first leaf is not an array."""
+    while not isinstance(tree, jax.Array):
+        if isinstance(tree, dict | list | tuple):
+            if not tree:
+                return None
+            tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
+            continue
+        try:  # another pytree node (a NamedTuple is a tuple above)
+            children, _ = jax.tree_util.flatten_one_level(tree)
+        except ValueError:  # a leaf that is not an array
+            return None
+        if not children:
+            return None
+        tree = children[0]
+    return tree
 
 
 def _check_not_donated(params: Any, opt_state: Any) -> None:
