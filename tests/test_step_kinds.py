@@ -525,7 +525,9 @@ def test_dispatch_moves_back_after_a_step_every_worker_skipped():
         if i == 7:  # worker 2's gradient is not finite: the compressed step 7 is skipped
             g = {**g, "w": g["w"].at[2, 0, 0].set(jnp.nan)}
         p1, s1 = live(p1, s1, g)
+        said = run.next_kind(s2)  # also at the call that learns of the skip (a review)
         p2, s2 = run(p2, s2, g)
+        assert said == run._pending[-1].kind
     run.settle()
     assert ozo.step_count(s1) == 24 and ozo.step_count(s2) == 24 - run.lost
     assert run.skipped == 1
@@ -671,6 +673,37 @@ def test_dispatch_of_several_optimizers_in_one_state():
     )
     with pytest.raises(ValueError, match=r"2 optimizers whose step counts differ \(\['D'\]"):
         run(params, state, grads_at(4))
+
+
+def test_several_optimizers_that_part_on_a_skip_are_named_and_the_recipe_holds():
+    """A non-finite gradient in one group of optax.multi_transform: that group skips the step,
+    the other takes it, and the dispatcher's error blamed the schedule alone (a review). It
+    now names the likely cause and the recipe, and the recipe (the whole gradient non-finite
+    where a part is) keeps the groups together: the run goes on."""
+
+    def poisoned(g, k, together):
+        if k == 3:  # one worker's gradient of w (group "a") is not finite
+            g = {**g, "w": g["w"].at[2, 0, 0].set(jnp.nan)}
+        if together:
+            finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(g)]))
+            g = jax.tree.map(lambda x: jnp.where(finite, x, jnp.nan), g)
+        return g
+
+    for together in (False, True):
+        tx = _two_groups(VARIANCE)
+        params, run = params0(), _dispatched(tx)
+        state = jax.vmap(tx.init, axis_name=AXIS)(params)
+        if not together:
+            with pytest.raises(ValueError, match=r"one skipped a step the others took.*jnp.nan"):
+                for k in range(1, 41):
+                    params, state = run(params, state, poisoned(grads_at(k), k, together))
+            continue
+        for k in range(1, 41):
+            params, state = run(params, state, poisoned(grads_at(k), k, together))
+        run.settle()
+        counts = [ozo.step_count(g.inner_state) for g in state.inner_states.values()]
+        assert run.skipped == 1 and counts == [40 - 1 - run.lost] * 2, (counts, run.lost)
+        assert run.lost <= run.check_every + 2
 
 
 def test_dispatcher_positions_and_names_are_checked():

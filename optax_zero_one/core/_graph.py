@@ -323,11 +323,14 @@ def admitted(own_ok: Any, extra_args: dict) -> Any:
 
 
 def refuse_unless(ok: Any, own_ok: Any, expected: jax.Array, new_state: Any, old: Any) -> Any:
-    """A hinted step's state: ``new_state`` where it is applied (``ok``), else its scalars taken
-    from ``old`` (the buffers were kept by the passes that wrote them, told by ``ok``); a
-    refusal of this transform's own hint (``own_ok`` false) is recorded in ``refused_hint``
-    (one more, and 1 + ``expected``, the branch its counters asked for)."""
-    kept = restore_scalars(ok, new_state, old)
+    """A hinted step's state: ``new_state`` where it is applied (``ok``), else ``old``: the
+    scalars of every state, and every leaf of a state that does not keep its own buffers
+    (:func:`restore_skipped`: this library's transforms keep theirs in the passes that write
+    them, told by ``ok``; an optax state inside a wrapper, e.g. DiLoCo's inner AdamW, took the
+    refused step's input into its moments); a refusal of this transform's own hint (``own_ok``
+    false) is recorded in ``refused_hint`` (one more, and 1 + ``expected``, the branch its
+    counters asked for)."""
+    kept = restore_skipped(ok, new_state, old)
     record = old.refused_hint
     refused = jnp.stack([record[0] + 1, expected.astype(jnp.int32) + 1])
     refused = vary_over(refused, varying_axes(record))

@@ -164,12 +164,20 @@ def _check_one_count(state: Any) -> None:
     listed = ", ".join(f"{path or 'the state'}: {c}" for path, c in counts)
     raise ValueError(
         f"The optimizer state holds {len(counts)} optimizers whose step counts differ ({listed}; "
-        "e.g. one trained for more steps than the other). A dispatcher follows one count, the "
+        "e.g. one trained for more steps than the other, or skipped a step the others took: a "
+        "non-finite gradient in its part of the tree). A dispatcher follows one count, the "
         "first, and would send the others the kinds of other steps, which they refuse (their "
         "steps not applied). Dispatch each optimizer's update in a step of its own (its own "
         "dispatch_by_kind, its state argument holding that optimizer's state only), or update "
-        "them together from their first step so that their counts stay equal."
+        "them together from their first step so that their counts stay equal. " + _SKIP_TOGETHER
     )
+
+
+_SKIP_TOGETHER = (
+    "To make several optimizers skip together, make the whole gradient non-finite where a part "
+    "is, before the update: grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.nan), "
+    "grads), with finite the conjunction of jnp.isfinite(g).all() over its leaves."
+)
 
 
 def _shape_of(x: Any) -> Any:
@@ -316,8 +324,10 @@ class KindDispatcher:
 
     def next_kind(self, state: Any) -> StepKind:
         """The kind the next call with ``state`` will run (reads the counter if ``state`` is
-        not the one this dispatcher returned last, as the call would)."""
+        not the one this dispatcher returned last, and settles the steps the call would
+        settle first: a skip found there moves the step back)."""
         self._sync_with(state)
+        self._settle_with(state)
         return self._walk.kind(self.step)
 
     def program(self, kind: StepKind) -> Callable[..., Any]:
@@ -483,7 +493,7 @@ class KindDispatcher:
             )
         self._sync_with(args[self._state_index])
         # before this step's program: an error leaves the caller's state as it was (not donated)
-        self._settle_due(self._lag)
+        self._settle_with(args[self._state_index])
         kind = self._walk.kind(self.step)
         self.program(kind)
         out = self._raw[kind.name](*args)
@@ -556,6 +566,23 @@ class KindDispatcher:
         if self._pending:  # no count readable after them: the next call reads the counter
             self._pending.clear()
             self._last_counter = None
+
+    def _settle_with(self, state: Any) -> None:
+        """:meth:`_settle_due` before a call with ``state``; where the steps do not add up and
+        the state holds several optimizers, the error also names the cause that is theirs (one
+        skipped a non-finite step the others took, so their counts parted)."""
+        try:
+            self._settle_due(self._lag)
+        except ValueError as err:
+            found = _graph.step_counters(state)
+            if len(found) < 2:
+                raise
+            raise ValueError(
+                f"{err} Or: the state holds {len(found)} optimizers "
+                f"({', '.join(path or 'the state' for path, _ in found)}), and one skipped a "
+                "step the others took (a non-finite gradient in its part of the tree; each "
+                "skips its own), so their steps parted. " + _SKIP_TOGETHER
+            ) from err
 
     def _settle_due(self, lag: int) -> None:
         """Settles the steps up to each checked one that has ``lag`` steps after it (the device
