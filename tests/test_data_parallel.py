@@ -816,3 +816,69 @@ def test_an_odd_batch_leaves_the_precompiled_programs_in_use(monkeypatch):
         p, s, _ = train(p, s, x)
     assert checked == []  # the precompiled executables, no Python checks
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(p))
+
+
+def test_an_array_extra_argument_reaches_the_optimizer_on_every_model_shard():
+    """An extra argument that is an array (value=loss, as optax.contrib.reduce_on_plateau takes)
+    entered the per-model-shard program as a closure and failed there (a mesh type error); it
+    is an input now: a transform scaling the gradient by it gives the run that scales the
+    gradient in the step (a review of this module)."""
+
+    def scale_by_value():
+        def update(u, s, p=None, *, value, **extra):
+            return jax.tree.map(lambda x: x * value, u), s
+
+        return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+    mesh = mesh_of(2)
+    losses = {}
+    for by_extra in (True, False):
+        dp, _, _, params = job.setup(mesh)
+        assert dp.model_sharded
+        inner = optax.chain(scale_by_value(), make_tx()) if by_extra else make_tx()
+        tx = dp.optimizer(inner)
+
+        def step(p, s, x, step_kind=None, tx=tx, by_extra=by_extra):
+            loss, g = jax.value_and_grad(loss_fn)(p, x)
+            value = 1.0 / (1.0 + jax.lax.pmean(loss, "data"))  # the same on every worker
+            if by_extra:
+                u, s = tx.update(g, s, p, value=value, step_kind=step_kind)
+            else:
+                g = jax.tree.map(lambda x: x * value, g)
+                u, s = tx.update(g, s, p, step_kind=step_kind)
+            return optax.apply_updates(p, u), s, loss
+
+        p = dp.to_workers(params)
+        s = dp.init(tx, p)
+        train = dp.jit(step, schedule=SCHEDULE)
+        losses[by_extra] = []
+        for x in batches(STEPS):
+            p, s, loss = train(p, s, x)
+            losses[by_extra].append(np.asarray(loss))
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
+
+
+def test_layout_and_argument_checks_of_a_review():
+    """From a review of this module: from_workers refuses a worker past the end (an index
+    inside jit is clamped: another worker's copy came back); params placed over the data axis
+    but not the model axes (a restored checkpoint put on P('data')) are refused, where the run
+    kept them replicated over 'model'; a scalar batch leaf and a spec that does not divide its
+    dimension are named."""
+    mesh = mesh_of(2)
+    dp, tx, step, params = job.setup(mesh)
+    p = dp.to_workers(params)
+    for bad in (N, -N - 1):
+        with pytest.raises(ValueError, match=rf"worker={bad}, but there are {N} data workers"):
+            dp.from_workers(p, worker=bad)
+    np.testing.assert_array_equal(dp.from_workers(p, worker=-1)["w1"], params["w1"])
+    flat = jax.device_put(jax.device_get(p), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"leaf \['w1'\] is sharded as P\('data',\), where the"):
+        dp.check_worker_layout(flat, "params")
+    dp.check_worker_layout(flat, "the tree")  # a tree of other specs: the data axis only
+    train = dp.jit(step)
+    s = dp.init(tx, p)
+    with pytest.raises(ValueError, match=r"batch leaf \['lr'\] is a scalar"):
+        train(p, s, {"x": batches(1)[0], "lr": np.float32(0.1)})
+    uneven = ozo.data_parallel(mesh, {**SPECS, "b": P("model")})
+    with pytest.raises(ValueError, match=r"\['b'\] of shape \(3,\) .*dimension 0 \(3\) does"):
+        uneven.to_workers({**host_params(), "b": np.zeros(3, np.float32)})

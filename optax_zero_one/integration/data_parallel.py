@@ -159,7 +159,8 @@ class DataParallel:
         _check_structure(tree, specs, "the tree", "its specs")
 
         @distributed.outside_user_mesh
-        def one(x: Any, spec: P) -> jax.Array:
+        def one(path: Any, x: Any, spec: P) -> jax.Array:
+            self._check_divides(path, np.shape(x), spec)
             sharding = NamedSharding(self.mesh, spec)
             if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)):
                 x = _place(x, sharding)
@@ -174,13 +175,35 @@ class DataParallel:
                 ],
             )
 
-        return jax.tree.map(one, tree, specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree_util.tree_map_with_path(
+            one, tree, specs, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    def _check_divides(self, path: Any, shape: tuple, spec: P) -> None:
+        """Raises ``ValueError`` naming the leaf where ``spec`` shards a dimension of ``shape``
+        into parts that do not divide it (JAX's error names neither leaf nor spec)."""
+        for dim, entry in enumerate(spec):
+            parts = math.prod(self.mesh.shape[a] for a in _names(entry)) if entry else 1
+            size = shape[dim] if dim < len(shape) else None
+            if size is None or size % parts:
+                raise ValueError(
+                    f"leaf {_leaf_name(path)} of shape {shape} is sharded as {spec}: its "
+                    f"dimension {dim} ({'absent' if size is None else size}) does not split "
+                    f"into {parts} equal parts over {entry!r}. Shard a dimension that does, "
+                    "or replicate the leaf (P())."
+                )
 
     def from_workers(self, tree: Any, specs: Any = None, worker: int = 0) -> Any:
         """One worker's copy of a worker-layout tree, in the user's layout (``jax.Array``\\ s
         sharded by ``specs``, default the params'). Runs as one jitted program on every
         process."""
         specs = self.param_specs if specs is None else specs
+        n = self.num_workers
+        # inside jit an index past the end is clamped: another worker's copy, without a word
+        if isinstance(worker, bool) or not isinstance(worker, int | np.integer):
+            raise ValueError(f"worker must be an int, got {worker!r}.")
+        if not -n <= worker < n:
+            raise ValueError(f"worker={worker}, but there are {n} data workers (0 to {n - 1}).")
         self.check_worker_layout(tree, "the tree")
         shardings = self._shardings(specs)
         return jax.jit(lambda t: jax.tree.map(lambda x: x[worker], t), out_shardings=shardings)(
@@ -189,8 +212,14 @@ class DataParallel:
 
     def check_worker_layout(self, tree: Any, what: str) -> None:
         """Raises ``ValueError`` unless every array of ``tree`` has a leading axis of one entry
-        per data worker sharded over the data axis."""
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        per data worker sharded over the data axis; for the params, also sharded over the
+        other axes as the specs given to :func:`data_parallel` say."""
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        model_specs = None
+        if what == "params":  # by position: the params may wrap their leaves (Flax NNX)
+            model_specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, P))
+            model_specs = model_specs if len(model_specs) == len(flat) else None
+        for i, (path, x) in enumerate(flat):
             shape = np.shape(x)
             spec = (
                 x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else None
@@ -209,6 +238,22 @@ class DataParallel:
                     f"{self.num_workers} data workers sharded over {self.data_axis!r}. "
                     + self._layout_advice(x, shape, what)
                 )
+            placed = not isinstance(x, jax.core.Tracer) and math.prod(shape) > 0
+            if model_specs is not None and placed:
+                want = P(self.data_axis, *model_specs[i])
+                if self._dims(spec, len(shape)) != self._dims(want, len(shape)):
+                    raise ValueError(
+                        f"{what} leaf {_leaf_name(path)} is sharded as {spec}, where the worker "
+                        f"layout has {want} (the data axis, then the specs the params had when "
+                        "given to data_parallel): the step would keep that placement for the "
+                        "whole run. " + self._layout_advice(x, shape, what)
+                    )
+
+    def _dims(self, spec: P, ndim: int) -> list[tuple[str, ...]]:
+        """The mesh axes of each of ``ndim`` dimensions under ``spec``, without the axes of
+        size 1 (JAX drops them)."""
+        entries = list(spec) + [None] * (ndim - len(spec))
+        return [self._sized(_names(e) if e is not None else ()) for e in entries[:ndim]]
 
     def _layout_advice(self, x: Any, shape: tuple, what: str) -> str:
         """What to do about a leaf :meth:`check_worker_layout` refused."""
@@ -279,14 +324,26 @@ class DataParallel:
         ) -> tuple[Any, ShardLocalState]:
             values, treedef = leaves(_poison_if_not_finite(updates), "updates")
             p_def = None if params is None else leaves(params, "params")[1]
+            # the extra arguments' arrays (e.g. value=loss) enter the per-shard program as
+            # inputs, the same on every shard; the rest (a step_kind) stays static
+            found, extra_def = jax.tree.flatten(extra)
+            is_array = [isinstance(x, jax.Array | np.ndarray | np.generic) for x in found]
 
-            def local(u: Any, s: Any, *p: Any) -> Any:
+            def local(u: Any, s: Any, arrays: list, *p: Any) -> Any:
                 inner = jax.tree.map(lambda x: x[0], s)
                 p = [jax.tree.unflatten(p_def, p[0])] if p else []
-                u, inner = tx.update(jax.tree.unflatten(treedef, u), inner, *p, **extra)
+                given = iter(arrays)
+                extra_in = [next(given) if a else x for x, a in zip(found, is_array, strict=True)]
+                u, inner = tx.update(
+                    jax.tree.unflatten(treedef, u),
+                    inner,
+                    *p,
+                    **jax.tree.unflatten(extra_def, extra_in),
+                )
                 return jax.tree.leaves(u), _stack(inner)
 
-            args, in_specs = (values, state.inner), (specs, stack)
+            arrays = [x for x, a in zip(found, is_array, strict=True) if a]
+            args, in_specs = (values, state.inner, arrays), (specs, stack, P())
             if params is not None:
                 args, in_specs = (*args, jax.tree.leaves(params)), (*in_specs, specs)
             out, inner = self._per_shard(local, in_specs, (specs, stack))(*args)
@@ -487,7 +544,14 @@ class DataParallel:
         if all(s and s[0] % n == 0 for s in shapes):
             return
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if np.ndim(x) == 0 or np.shape(x)[0] % n:
+            if np.ndim(x) == 0:
+                raise ValueError(
+                    f"batch leaf {_leaf_name(path)} is a scalar: every leaf of the batch is "
+                    f"split along its leading axis into {n} parts, one per data worker. Pass a "
+                    "value that is the same for every worker to the step another way (a "
+                    "closure, a static argument), or broadcast it to one row per example."
+                )
+            if np.shape(x)[0] % n:
                 raise ValueError(
                     f"batch leaf {_leaf_name(path)} has shape {np.shape(x)}: its leading "
                     f"axis must split into {n} equal parts, one per data worker. Make the "
