@@ -505,3 +505,58 @@ def test_a_dispatched_run_goes_on_after_a_skip_in_the_warm_up():
     assert run.skipped == 1 and run.lost <= run.check_every + 2, (run.skipped, run.lost)
     assert int(np.asarray(state.count)[0]) == 40 - run.skipped - run.lost
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves((x, state)))
+
+
+@pytest.mark.parametrize("collective", ["two_phase", "psum"])
+def test_a_sync_skipped_for_its_outer_step_keeps_the_error_buffers(collective):
+    """A finite 1-bit mean whose outer step is not finite: the sync is skipped, so its payload is
+    not sent, and its residual must not stay in the error buffers. It stayed (they were kept
+    once the hint was admitted), every later delta carried it, and with it every later sync
+    was skipped too (a review). The run with the skipped step equals the run without it."""
+    n = 4
+
+    def guarded():  # an outer step that is not finite where the pseudo-gradient is huge
+        def update(u, s, p=None):
+            return jax.tree.map(lambda d: jnp.where(jnp.abs(d) > 50.0, jnp.nan, -d), u), s
+
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    tx = ozo.local_step_sync(
+        optax.sgd(0.1), ozo.SyncEvery(1), AXIS, collective=collective, outer=guarded()
+    )
+    rng = np.random.default_rng(0)
+    x0 = [jnp.asarray(np.tile(rng.standard_normal((5, 3)), (n, 1, 1)), jnp.float32)]
+    grads = [[jnp.asarray(rng.standard_normal((n, 5, 3)), jnp.float32)] for _ in range(6)]
+    grads[2] = [g * 1e4 for g in grads[2]]  # finite, its pseudo-gradient past the guard
+    run = stepper(tx, n)
+
+    def train_on(sequence):
+        x, state = x0, mapped(tx.init, "vmap", n)(x0)
+        for k, g in enumerate(sequence, 1):
+            x, state = run(k, x, state, g)
+        return x, state
+
+    with_skip = train_on(grads)
+    without = train_on(grads[:2] + grads[3:])
+    assert np.asarray(with_skip[1].skipped_updates).tolist() == [1] * n
+    kept = (with_skip[0], with_skip[1]._replace(skipped_updates=0))
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(without), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_momentum_average_keeps_the_trace_in_the_params_dtype(dtype):
+    """optax keeps SGD's momentum in the params' dtype; the sync set it from the float32
+    anchor's mean, so with bfloat16 params the step deciding in the graph failed to trace
+    (branches of other types) and a hinted run's state changed type (a review)."""
+    n, rule = 2, ozo.MomentumAverage(0.01)
+    tx = ozo.local_step_sync(optax.sgd(0.01, momentum=0.9), ozo.SyncEvery(2), AXIS, rule=rule)
+    x = [jnp.ones((n, 4), dtype)]
+    for hinted in (None, ozo.local_step_schedule(ozo.SyncEvery(2))):
+        run = stepper(tx, n, hinted)
+        state = mapped(tx.init, "vmap", n)(x)
+        y = x
+        for k in range(1, 5):
+            y, state = run(k, y, state, [jnp.full((n, 4), 0.5 * k, dtype)])
+            assert state.inner_state[0].trace[0].dtype == dtype
+        assert y[0].dtype == dtype and np.isfinite(np.asarray(y[0], np.float32)).all()

@@ -181,7 +181,10 @@ class MomentumAverage(ParamsAverage):
 
     def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
         old = _graph.only_node(inner_state, optax.TraceState, "MomentumAverage").trace
-        momentum = _graph.keep_if(ok, divide_by_sum(mean, lr_sum), old)
+        # in the trace's dtype (optax keeps it in the params' one: bfloat16 params gave a float32
+        # trace after the first sync, which a step deciding in the graph refused)
+        new = jax.tree.map(lambda w, o: w.astype(o.dtype), divide_by_sum(mean, lr_sum), old)
+        momentum = _graph.keep_if(ok, new, old)
         return replace_nodes(inner_state, optax.TraceState, lambda s: s._replace(trace=momentum))
 
 
@@ -407,7 +410,11 @@ def local_step_sync_over(
                 anchor = jax.tree.map(lambda a, m: jnp.where(finite, a - m, a), anchor, delta)
             else:  # a non-finite outer step skips the sync as a non-finite mean does
                 moves, new_outer = outer.update(delta, outer_state, anchor)
-                finite = jnp.logical_and(finite, _graph.all_finite(moves))
+                moved = _graph.all_finite(moves)
+                # the payload is not sent after all: its residuals are not kept (a finite mean
+                # has left finite buffers; a non-finite one zeroed them, as a skip does)
+                errors = _graph.keep_if(moved, errors, _lent(rule, inner_state, start_step, own))
+                finite = jnp.logical_and(finite, moved)
                 # any optax state (Nesterov's momentum took the non-finite delta): kept whole
                 outer_state = _graph.restore_skipped(finite, new_outer, outer_state)
                 anchor = jax.tree.map(
