@@ -173,3 +173,22 @@ def test_the_cut_offsets_take_each_backends_form():
     for platform, barrier in (("cpu", True), ("cuda", False), ("tpu", False)):
         text = traced.lower(lowering_platforms=(platform,)).as_text()
         assert ("optimization_barrier" in text) == barrier, platform
+
+
+def test_a_nested_call_with_two_outputs_or_a_buffer_constant_is_not_replayed():
+    """A jitted helper in the tail that calls one with two outputs (sign and size), or that
+    closes over a buffer-shaped constant: only the first output, and no constant, was sliced;
+    the cut raised a KeyError or a shape error (a review). Such a call now ends the tail."""
+    both = jax.jit(lambda x: (jnp.sign(x), jnp.abs(x)))
+    soft_sign = jax.jit(lambda x: both(x)[0] * both(x)[1] / (1.0 + both(x)[1]))
+    m, v = arrays(3)
+    constant = np.asarray(v) + 1.0
+
+    for fn in (
+        lambda m, v: (-0.1 * soft_sign(m / (v + 1.0)), ()),
+        lambda m, v: (jax.jit(lambda x: x * constant)(m), ()),
+    ):
+        got, _ = _cut.call_and_cut(fn, (m, v), pieces)
+        want, _ = whole_then_cut(fn, (m, v))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -280,3 +280,53 @@ def test_a_guard_restores_the_buffers_of_a_plain_optax_state(last):
     for a, b in zip(jax.tree.leaves(states[1].inner_state), jax.tree.leaves(states[0].inner_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # kept as before the skip
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves((p, s)))
+
+
+def test_a_guard_checks_what_a_partial_promise_does_not_cover():
+    """skip_not_finite reads a skip from the counter of a state that promises to keep it on one,
+    trusted only where that state sees every update (itself, or in an optax.chain). Under
+    optax.multi_transform it sees a part: a NaN in the other part went through and stayed in
+    Adam's moments; under optax.MultiSteps its accumulation steps read as skips, and it never
+    updated (a review)."""
+    params = {"a": jnp.ones(3), "b": jnp.ones(3)}
+    frozen = optax.chain(
+        ozo.scale_by_frozen_variance_adam(variance_policy=ozo.VarianceDoubling(10)),
+        optax.scale(-0.01),
+    )
+    split = optax.multi_transform(
+        {"ozo": frozen, "adam": optax.adam(0.01)}, {"a": "ozo", "b": "adam"}
+    )
+    for tx, reference in (
+        (ozo.skip_not_finite(split), optax.apply_if_finite(split, 10)),
+        (
+            ozo.skip_not_finite(optax.MultiSteps(frozen, 2)),
+            optax.apply_if_finite(optax.MultiSteps(frozen, 2), 10),
+        ),
+    ):
+        s, r = tx.init(params), reference.init(params)
+        for k in range(6):
+            g = {"a": jnp.full(3, 0.5), "b": jnp.full(3, jnp.nan if k == 1 else 0.5)}
+            u, s = tx.update(g, s, params)
+            w, r = reference.update(g, r, params)
+            for x, y in zip(jax.tree.leaves(u), jax.tree.leaves(w), strict=True):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_guard_restores_a_plain_container_state():
+    """A user's transform whose state is a dict of arrays (not a NamedTuple): only its scalars
+    were restored on a skip, so it kept the NaN, and every later step was skipped (a review)."""
+
+    def momentum(beta=0.9):
+        def update(g, m, p=None):
+            m = jax.tree.map(lambda m, g: beta * m + g, m, g)
+            return m, m
+
+        return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+
+    params = {"w": jnp.ones(3)}
+    for tx in (ozo.skip_not_finite(momentum()), ozo.flatten(ozo.skip_not_finite(momentum()))):
+        s = tx.init(params)
+        u, s = tx.update({"w": jnp.array([1.0, jnp.nan, 1.0])}, s, params)
+        np.testing.assert_array_equal(u["w"], np.zeros(3))
+        u, s = tx.update({"w": jnp.ones(3)}, s, params)
+        np.testing.assert_array_equal(u["w"], np.ones(3))

@@ -140,17 +140,21 @@ def _tail_of(jaxpr: Any) -> tuple[list, list]:
 
 
 def _replayable(eqn: Any, whole: tuple) -> bool:
-    """An equation whose output is shaped like the buffer, computed elementwise from operands
-    shaped like it or scalars (a nested call: every equation inside is such)."""
-    if eqn.outvars[0].aval.shape != whole:
+    """An equation whose one output is shaped like the buffer, computed elementwise from
+    operands shaped like it or scalars (a nested call: one output, scalar constants, and every
+    equation inside such; a second output or a buffer-shaped constant would not be sliced)."""
+    if len(eqn.outvars) != 1 or eqn.outvars[0].aval.shape != whole:
         return False
     if any(jnp.shape(v.aval) not in (whole, ()) for v in eqn.invars):
         return False
     name = eqn.primitive.name
     if name in _CALLS:
         inner = _called(eqn)
-        return inner is not None and all(
-            _replayable(e, whole) or _scalar_only(e) for e in inner.jaxpr.eqns
+        return (
+            inner is not None
+            and len(inner.jaxpr.outvars) == 1
+            and all(jnp.shape(c) == () for c in inner.consts)
+            and all(_replayable(e, whole) or _scalar_only(e) for e in inner.jaxpr.eqns)
         )
     return name in _ELEMENTWISE or _scalar_broadcast(eqn, whole)
 

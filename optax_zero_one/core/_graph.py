@@ -402,10 +402,10 @@ def reported_skip(new_state: Any, old_state: Any) -> jax.Array | None:
     state before the update, of the same structure. A counter that stays at the largest int32
     (``optax.safe_increment`` saturates) is not read as a skip.
     """
-    new_nodes = _nodes_where(new_state, _promises)
+    new_nodes = _promises_over_all(new_state)
     if not new_nodes:
         return None
-    old_nodes = _nodes_where(old_state, _promises)
+    old_nodes = _promises_over_all(old_state)
     largest = jnp.iinfo(jnp.int32).max
     kept = []
     for new, old in zip(new_nodes, old_nodes, strict=True):
@@ -417,6 +417,20 @@ def reported_skip(new_state: Any, old_state: Any) -> jax.Array | None:
 
 def _promises(x: Any) -> bool:
     return _declares(x, "STEP_COUNTER") and getattr(type(x), "SKIP_KEEPS_COUNTER", False)
+
+
+def _promises_over_all(state: Any) -> list:
+    """The states in ``state`` that promise to keep their counter on a skip (:func:`_promises`)
+    and see every update: ``state`` itself, or reached through plain tuples and lists
+    (``optax.chain``). One under another node (``optax.multi_transform``, ``optax.masked``,
+    ``optax.MultiSteps``) sees part of the tree, or not every step: its counter says nothing
+    of the rest (a NaN elsewhere went through unchecked; MultiSteps' accumulation steps read
+    as skips, and it never updated)."""
+    if _promises(state):
+        return [state]
+    if type(state) in (tuple, list):
+        return [node for part in state for node in _promises_over_all(part)]
+    return []
 
 
 def finite_or_skipped(update: Any, new_state: Any, old_state: Any) -> jax.Array:
@@ -444,17 +458,35 @@ def restore_skipped(ok: Any, new: Any, old: Any) -> Any:
     on every step; XLA fuses it into the pass that wrote them). Without it one NaN left in
     Adam's moments made every later step non-finite, and skipped.
     """
+    return _restore(ok, new, old, owned=False)
+
+
+def _restore(ok: Any, new: Any, old: Any, owned: bool) -> Any:
+    """:func:`restore_skipped` of a node; ``owned``: a field (or part of one) of a state that
+    keeps its own buffers, where only scalars are restored. A state that keeps its buffers
+    names the fields that hold other transforms' states (``INNER_FIELDS``): those are restored
+    as any state, so that a plain dict or list of arrays there (a user's transform) is too."""
     if hasattr(new, "_fields"):
-        if not getattr(type(new), "KEEPS_BUFFERS", False):
-            return keep_if(
-                ok, new, jax.tree.map(lambda n, o: jnp.asarray(o, jnp.result_type(n)), new, old)
+        cls = type(new)
+        if not getattr(cls, "KEEPS_BUFFERS", False):
+            return _whole(ok, new, old)
+        inner = getattr(cls, "INNER_FIELDS", ())
+        return cls(
+            *(
+                _restore(ok, n, o, owned=field not in inner)
+                for field, n, o in zip(cls._fields, new, old, strict=True)
             )
-        return type(new)(*(restore_skipped(ok, n, o) for n, o in zip(new, old, strict=True)))
+        )
     if isinstance(new, tuple | list):
-        return type(new)(restore_skipped(ok, n, o) for n, o in zip(new, old, strict=True))
+        return type(new)(_restore(ok, n, o, owned) for n, o in zip(new, old, strict=True))
     if isinstance(new, dict):
-        return {k: restore_skipped(ok, v, old[k]) for k, v in new.items()}
-    return restore_scalars(ok, new, old)
+        return {k: _restore(ok, v, old[k], owned) for k, v in new.items()}
+    return restore_scalars(ok, new, old) if owned else _whole(ok, new, old)
+
+
+def _whole(ok: Any, new: Any, old: Any) -> Any:
+    """``new`` where ``ok``, else ``old`` in ``new``'s dtypes, every leaf."""
+    return keep_if(ok, new, jax.tree.map(lambda n, o: jnp.asarray(o, jnp.result_type(n)), new, old))
 
 
 def restore_scalars(ok: Any, new: Any, old: Any) -> Any:

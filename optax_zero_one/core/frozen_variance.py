@@ -35,6 +35,7 @@ class FrozenVarianceAdamState(NamedTuple):
     """
 
     KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+    INNER_FIELDS = ("momentum_mean",)  # other transforms' states
 
     count: jax.Array
     variance_policy: Any

@@ -57,6 +57,7 @@ class LocalStepSyncState(NamedTuple):
     """
 
     KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+    INNER_FIELDS = ("inner_state", "outer_state")  # other transforms' states
 
     count: jax.Array
     local_step_policy: Any

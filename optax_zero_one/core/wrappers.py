@@ -49,6 +49,7 @@ class FlattenState(NamedTuple):
     """
 
     KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+    INNER_FIELDS = ("inner_state",)  # the inner transform's state
 
     offsets: jax.Array
     inner_state: optax.OptState
@@ -79,7 +80,11 @@ def flatten(
     on a few large buffers, whatever the number of leaves. A transform that looks at a leaf's
     shape or norm (``optax.contrib.muon``, ``optax.adafactor``, ``optax.lamb``'s trust ratios,
     ``optax.clip_by_block_rms``) sees one flat buffer instead and computes something else,
-    without an error: keep such transforms outside ``flatten``.
+    without an error: keep such transforms outside ``flatten``. So is one that writes the
+    layout's zero padding (``optax.add_noise``) before a norm over the buffer (a global-norm
+    clip then counts the noise there too), and ``jax.grad`` through a square root of a
+    zero second moment (Adam's, as in plain optax at an exact zero) is NaN at the padding,
+    which a global norm's derivative spreads to every element.
 
     Args:
       inner: the transformation to run on flat buffers.
@@ -180,6 +185,7 @@ class SkipNotFiniteState(NamedTuple):
     """
 
     KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+    INNER_FIELDS = ("inner_state",)  # the inner transform's state
 
     skipped_updates: jax.Array
     inner_state: optax.OptState

@@ -31,6 +31,7 @@ class ShardLocalState(NamedTuple):
     """
 
     KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
+    INNER_FIELDS = ("inner",)  # other transforms' states
 
     inner: Any
 
