@@ -295,3 +295,83 @@ def test_worker_count_reads_an_orbax_checkpoints_metadata(tmp_path):
     assert new[0].worker_error.layout.num_workers == 2
     assert buffer.shape == (2, 2, 8) and not np.any(buffer)
     np.testing.assert_array_equal(new[1][0].trace["w"], np.ones((2, 10)))
+
+
+def _local_step_states(state):
+    found = []
+    jax.tree.map(
+        lambda x: None,
+        state,
+        is_leaf=lambda x: isinstance(x, ozo.LocalStepSyncState) and not found.append(x),
+    )
+    return found
+
+
+@pytest.mark.parametrize("case", ["zero_one_adam part", "diloco part", "diloco flat nesterov"])
+def test_reset_compression_of_a_partial_or_flattened_local_step_state(case):
+    """From a review: 0/1 Adam or DiLoCo on part of the tree (optax.multi_transform) took its
+    new anchor from the first leaves of the whole tree (0/1 Adam then blew up; DiLoCo raised
+    an AttributeError on optax's MaskedNode), and a flattened DiLoCo kept its Nesterov momentum
+    laid out for the old worker count (a misleading 'not the same optimizer'). Moved 4 -> 2 in
+    the middle of a local interval: the new anchor is the old synchronised point, the outer
+    state is worker 0's (the same on every worker), and training goes on finite."""
+    nesterov = optax.sgd(0.5, momentum=0.9, nesterov=True)
+    labels = {"a": "other", "b": "ours"}
+
+    def make(n):
+        if case == "zero_one_adam part":
+            ours = ozo.zero_one_adam(
+                1e-2, var_freeze_step=2, local_step_scaler=100, local_step_clipper=4,
+                axis_name=AXIS, num_workers=n,
+            )  # fmt: skip
+        elif case == "diloco part":
+            ours = ozo.diloco(optax.adam(1e-2), nesterov, 4, AXIS, num_workers=n)
+        else:
+            return ozo.flatten(ozo.diloco(optax.adam(1e-2), nesterov, 4, AXIS), AXIS, n)
+        return optax.multi_transform({"ours": ours, "other": optax.sgd(0.0)}, labels)
+
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.full((3,), 100.0), "b": jnp.asarray(rng.standard_normal(8), jnp.float32)}
+
+    def step_of(tx):
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        return jax.jit(jax.vmap(step, axis_name=AXIS))
+
+    tx = make(4)
+    p = ozo.replicate(params, 4)
+    s = jax.vmap(tx.init, axis_name=AXIS)(p)
+    for _ in range(7):  # past a sync, into the next interval
+        g = {
+            key: jnp.asarray(rng.standard_normal((4, *x.shape)), jnp.float32)
+            for key, x in params.items()
+        }
+        p, s = step_of(tx)(p, s, g)
+    point = ozo.unreplicate(ozo.synchronized_params(p, s))
+    old_outer = _local_step_states(s)[0].outer_state
+    fresh = jax.vmap(make(2).init, axis_name=AXIS)(ozo.replicate(params, 2))
+    p2, s2 = ozo.reset_compression(p, s, fresh)
+    moved = _local_step_states(s2)[0]
+    anchor = moved.anchor.to_tree() if hasattr(moved.anchor, "to_tree") else moved.anchor
+    b = anchor["b"] if isinstance(anchor, dict) else anchor
+    np.testing.assert_array_equal(np.asarray(b)[0], np.asarray(point["b"]))
+
+    def worker_0(state):  # a flat buffer as its tree
+        state = jax.tree.map(lambda x: x[0], state)
+        flat = ozo.core.flat.FlatTree
+        return jax.tree.map(
+            lambda x: x.to_tree() if isinstance(x, flat) else x,
+            state,
+            is_leaf=lambda x: isinstance(x, flat),
+        )
+
+    pairs = zip(jax.tree.leaves(worker_0(moved.outer_state)), jax.tree.leaves(worker_0(old_outer)))
+    for new, old in pairs:
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    for _ in range(6):
+        g = {key: jnp.zeros((2, *x.shape), jnp.float32) for key, x in params.items()}
+        p2, s2 = step_of(make(2))(p2, s2, g)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves((p2, s2)))
+    assert float(np.abs(np.asarray(p2["b"])).max()) < 50.0  # it blew up to ~2,700

@@ -81,9 +81,16 @@ class LocalStepSyncState(NamedTuple):
         worker starts at the last synchronised point with an empty interval; counters carry
         on; the error buffers (own or the inner state's) start afresh."""
         if isinstance(self.anchor, FlatTree):
-            anchor = flat.to_flat(move.params, fresh.anchor.layout, fresh.anchor.buffer.dtype)
+            names = list(self.anchor.layout.paths)
+            points = _params_at(move.params, names)
+            anchor = flat.to_flat(points, fresh.anchor.layout, fresh.anchor.buffer.dtype)
         else:
-            anchor = jax.tree.map(lambda p, a: np.asarray(p, a.dtype), move.params, self.anchor)
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(self.anchor)
+            names = [flat._leaf_name(path) for path, _ in leaves]
+            points = _params_at(move.params, names)
+            anchor = jax.tree.unflatten(
+                treedef, [np.asarray(p, a.dtype) for p, (_, a) in zip(points, leaves, strict=True)]
+            )
         return fresh._replace(
             count=self.count,
             local_step_policy=self.local_step_policy,
@@ -93,9 +100,29 @@ class LocalStepSyncState(NamedTuple):
             skipped_updates=self.skipped_updates,
             dropped_local_grads=self.dropped_local_grads,
             inner_state=move(self.inner_state, every.inner_state, fresh.inner_state),
-            outer_state=self.outer_state,
+            # the same on every worker: worker 0's, laid out again where it is flat
+            outer_state=move(self.outer_state, every.outer_state, fresh.outer_state),
             refused_hint=self.refused_hint,
         )
+
+
+def _params_at(params: Any, names: list[str]) -> list:
+    """The leaves of ``params`` that an anchor of leaves ``names`` (key paths) holds, in its
+    order: every leaf where the counts agree (the optimizer saw the whole tree, perhaps
+    wrapped otherwise), else by key path (``optax.multi_transform``, ``optax.masked``: the
+    anchor holds a part, and the first leaves of the whole tree filled it)."""
+    found = jax.tree_util.tree_flatten_with_path(params)[0]
+    if len(found) == len(names):
+        return [x for _, x in found]
+    by_name = {flat._leaf_name(path): x for path, x in found}
+    missing = [name for name in names if name not in by_name]
+    if missing:
+        raise ValueError(
+            f"the optimizer state's last synchronised point holds leaves {missing[:3]} that "
+            "params has not: pass the params this optimizer updates (the whole tree given "
+            "to update)."
+        )
+    return [by_name[name] for name in names]
 
 
 # What the wrapper does at a step: pass through (before start_step), a local step, a sync.
