@@ -94,8 +94,13 @@ def scheduled_mean(
 
     Example:
       >>> policy = ozo.VarianceDoubling(freeze_step=1000)
-      >>> tx = optax.chain(ozo.scheduled_mean("w", policy), ozo.scale_by_frozen_variance_adam(
-      ...     variance_policy=policy), optax.scale_by_learning_rate(1e-3))
+      >>> tx = ozo.skip_not_finite(optax.chain(ozo.scheduled_mean("w", policy),
+      ...     ozo.scale_by_frozen_variance_adam(variance_policy=policy),
+      ...     optax.scale_by_learning_rate(1e-3)))
+
+      ``skip_not_finite`` makes a non-finite step a skip for both: without it the Adam block
+      skips it and the mean counts it, and their step counts part for good (the variance then
+      moved on each worker's own gradient at the freeze).
 
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1).
