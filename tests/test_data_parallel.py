@@ -89,17 +89,23 @@ def test_one_program_per_kind_follows_the_in_graph_program():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def _layout_checks(monkeypatch, dp):
+    """A list that records the ``what`` of every ``dp.check_worker_layout`` call from now on."""
+    checked = []
+    real = type(dp).check_worker_layout
+    monkeypatch.setattr(
+        type(dp), "check_worker_layout", lambda self, *a: checked.append(a[1]) or real(self, *a)
+    )
+    return checked
+
+
 def test_a_loop_passing_back_its_outputs_is_checked_once(monkeypatch):
     """The first call's arguments are checked in Python and compiled for; later calls run that
     executable, which checks shapes, dtypes and shardings itself: no Python check per step. An
     argument unlike the first's still gets the clear error."""
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
     dp, tx, step, params = job.setup(mesh)
-    checked = []
-    real = type(dp).check_worker_layout
-    monkeypatch.setattr(
-        type(dp), "check_worker_layout", lambda self, *a: checked.append(a[1]) or real(self, *a)
-    )
+    checked = _layout_checks(monkeypatch, dp)
     train = dp.jit(step)
     p = dp.to_workers(params)
     s = dp.init(tx, p)
@@ -795,11 +801,7 @@ def test_an_odd_batch_leaves_the_precompiled_programs_in_use(monkeypatch):
     checks.) Only arguments that stay different for STALE_AFTER calls drop them."""
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
     dp, tx, step, params = job.setup(mesh)
-    checked = []
-    real = type(dp).check_worker_layout
-    monkeypatch.setattr(
-        type(dp), "check_worker_layout", lambda self, *a: checked.append(a[1]) or real(self, *a)
-    )
+    checked = _layout_checks(monkeypatch, dp)
     p = dp.to_workers(params)
     s = dp.init(tx, p)
     train = dp.jit(step, schedule=SCHEDULE)

@@ -428,7 +428,7 @@ def local_step_sync_over(
             anchor = jax.tree.map(lambda a, p: jnp.where(first, p, a), anchor, x)
             inner_state, own = _fresh_errors(rule, inner_state, start_step, own, first)
         if branch == SYNC:
-            errors = _lent(rule, inner_state, start_step, own)
+            errors = before = _lent(rule, inner_state, start_step, own)
             payload = _payload(rule, inner_state, held, x, out, first)
             mean, new_errors, finite = _compressed(payload, errors)
             errors = _graph.keep_if(admit, new_errors, errors)
@@ -441,7 +441,7 @@ def local_step_sync_over(
                 moved = _graph.all_finite(moves)
                 # the payload is not sent after all: its residuals are not kept (a finite mean
                 # has left finite buffers; a non-finite one zeroed them, as a skip does)
-                errors = _graph.keep_if(moved, errors, _lent(rule, inner_state, start_step, own))
+                errors = _graph.keep_if(moved, errors, before)
                 finite = jnp.logical_and(finite, moved)
                 # any optax state (Nesterov's momentum took the non-finite delta): kept whole
                 outer_state = _graph.restore_skipped(finite, new_outer, outer_state)
