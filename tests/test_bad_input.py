@@ -326,6 +326,28 @@ def test_low_precision_scalar_and_zero_size_leaves_are_handled(name):
     assert jax.tree.map(lambda x: x.dtype, dtypes) == {k: v.dtype for k, v in ODD_TREE.items()}
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_zero_size_leaf_last_in_the_tree_compiles_in_a_shard_map(workers):
+    """A size-0 slice at the end of the flat buffer, inside a one-device shard_map, aborted the
+    whole process in XLA:CPU's compiler (jax 0.10): zero-size leaves are made, not sliced."""
+    mesh = ozo.worker_mesh(AXIS, workers)
+    tree = {
+        "a": jnp.ones((workers, 7)),
+        "z": jnp.ones((workers, 0, 5)),
+        "z2": jnp.ones((workers, 0)),
+    }
+    tree = jax.device_put(tree, jax.sharding.NamedSharding(mesh, P(AXIS)))
+    tx = ozo.onebit_mean(AXIS)
+    state = jax.jit(ozo.on_workers(tx.init, mesh, AXIS))(tree)
+    step = jax.jit(ozo.on_workers(lambda t, s: tx.update(t, s)[0], mesh, AXIS))
+    out = step(tree, state)
+    assert jax.tree.map(np.shape, out) == jax.tree.map(np.shape, tree)
+    # one worker: the mean is the values; two: 1-bit, the same on both, finite
+    expected = tree["a"] if workers == 1 else np.broadcast_to(out["a"][:1], out["a"].shape)
+    np.testing.assert_array_equal(out["a"], expected)
+    assert np.all(np.isfinite(out["a"])) and np.all(out["a"] > 0)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("empty", [{}, [], (), None], ids=["dict", "list", "tuple", "None"])
 def test_empty_trees_are_handled(name, empty):

@@ -341,8 +341,12 @@ class FlatTree:
         """
         layout = self.layout
         batch = self.buffer.shape[:-2]
+        # a zero-size leaf is made, not sliced: a size-0 slice at the end of the buffer
+        # aborted XLA:CPU's compiler inside a one-device shard_map (jax 0.10)
         leaves = [
             padded[..., : int(size)].reshape((*batch, *shape))
+            if size
+            else jnp.zeros((*batch, *shape), self.buffer.dtype)
             for padded, size, shape in zip(
                 layout.padded_leaves(self.buffer), layout.sizes, layout.shapes
             )
@@ -413,6 +417,9 @@ def cut_leaves(
     leaves = []
     for i, (shape, dtype) in enumerate(zip(layout.shapes, jax.tree.leaves(dtypes))):
         chunk, size = int(layout.chunks[i]), int(layout.sizes[i])
+        if not size:  # made, not sliced (see FlatTree.to_tree)
+            leaves.append(jnp.zeros(shape, dtype))
+            continue
         piece = lax.slice_in_dim(take(offsets[i], chunk).reshape(-1), 0, size)
         leaves.append(piece.reshape(shape).astype(dtype))
     return jax.tree.unflatten(jax.tree.structure(dtypes), leaves)
