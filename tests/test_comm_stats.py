@@ -51,6 +51,52 @@ def test_collectives_in_loops_and_branches():
     assert found == [(1, True), (3, False)], found
 
 
+def test_a_loop_of_unknown_trip_count_makes_the_totals_an_error_not_zero():
+    x = jnp.ones((N, 16), jnp.float32)
+
+    def fn(v):  # runs until the values fall: the trip count is not in the program
+        body = lambda c: (c[0] + 1, c[1] * 0.1 + jax.lax.psum(c[1], "w") * 0.0)  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[1].sum() > 1.0, body, (0, v))[1]
+
+    stats = stats_of(fn, x)
+    assert [c.executions for c in stats.collectives] == [None]
+    for total in ("sent_bytes_per_device", "launches", "payload_bytes"):
+        with pytest.raises(ValueError, match="trip count"):
+            getattr(stats, total)
+    assert "not known" in stats.table()
+
+
+def test_low_precision_element_types_are_counted_and_an_unknown_one_is_an_error():
+    # XLA:CPU widens float8 before a collective; XLA:GPU and TPU keep it, as in this text
+    text = (
+        "HloModule m, num_partitions=8\n\n"
+        "ENTRY %main (x: f8e4m3fn[1024]) -> f8e4m3fn[8192] {\n"
+        "  %x = f8e4m3fn[1024]{0} parameter(0)\n"
+        "  ROOT %ag = f8e4m3fn[8192]{0} all-gather(%x), channel_id=1, "
+        "replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true\n}\n"
+    )
+    (gather,) = cs.parse_hlo(text).collectives
+    assert gather.payload_bytes == 1024 and gather.sent_bytes == pytest.approx(1024 * 7)
+    sizes = {t: cs.array_bytes(f"{t}[64]") for t in ("f8e5m2", "f4e2m1fn", "s2", "s4", "bf16")}
+    assert sizes == {"f8e5m2": 64, "f4e2m1fn": 32, "s2": 16, "s4": 32, "bf16": 128}
+    with pytest.raises(ValueError, match="no known width"):
+        cs.array_bytes("f3e1m1[64]")
+
+
+def test_keyword_arguments_that_are_not_arrays_are_bound_as_constants():
+    x = jnp.ones((N, 8), jnp.float32)
+    mesh = ozo.worker_mesh("w", N)
+
+    def fn(v, scale, mode="sum"):
+        collective = jax.lax.psum if mode == "sum" else jax.lax.all_gather
+        return ozo.on_workers(lambda a: collective(a * scale, "w").sum(0), mesh)(v)
+
+    # a string keyword used to be traced ("not a valid JAX type"); an array one still is
+    stats = ozo.comm_stats(fn, x, scale=jnp.float32(2.0), mode="gather")
+    assert [c.kind for c in stats.collectives] == ["all-gather"]
+    assert ozo.comm_stats(fn, x, scale=2.0).collectives[0].kind == "all-reduce"
+
+
 def test_a_text_it_cannot_follow_is_an_error():
     x = jnp.zeros((N, 8), jnp.float32)
     mesh = ozo.worker_mesh("w", N)

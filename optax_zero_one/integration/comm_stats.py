@@ -28,6 +28,7 @@ counts every collective opcode in the text independently of the parse and compar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,19 @@ _KINDS = (
 )
 _BITS = {
     "pred": 8,
+    "s1": 1,
+    "u1": 1,
+    "s2": 2,
+    "u2": 2,
+    "f4e2m1fn": 4,
+    "f8e3m4": 8,
+    "f8e4m3": 8,
+    "f8e4m3fn": 8,
+    "f8e4m3fnuz": 8,
+    "f8e4m3b11fnuz": 8,
+    "f8e5m2": 8,
+    "f8e5m2fnuz": 8,
+    "f8e8m0fnu": 8,
     "s4": 4,
     "u4": 4,
     "s8": 8,
@@ -64,6 +78,7 @@ _BITS = {
     "c64": 64,
     "c128": 128,
 }
+_NOT_DATA = {"token", "opaque"}  # HLO types that carry no bytes
 CHECKED_WITH_JAX = ("0.10",)
 """The jax versions (major.minor) whose HLO text :func:`parse_hlo` was written and tested on."""
 
@@ -120,6 +135,20 @@ class CommStats:
 
     collectives: tuple[Collective, ...]
 
+    def _runs(self, collective: Collective) -> int:
+        """How often ``collective`` runs per call; a clear error where that is not known (a
+        total that counted it as 0 would be silently short)."""
+        if collective.executions is None:
+            raise ValueError(
+                f"The {collective.kind} {collective.name} runs inside a loop whose trip count "
+                "the compiled program does not state, so totals over this program are not "
+                "known (.collectives lists it, executions=None). An optimizer's update decides "
+                "its step kind in the graph without a hint: pass step_kind= (one kind's "
+                "program holds no loop), e.g. ozo.comm_stats(functools.partial(step, "
+                "step_kind=schedule.kind(k)), *args)."
+            )
+        return collective.executions
+
     def count(self, kind: str | None = None) -> int:
         """Number of collective instructions (of ``kind``, if given), each counted once."""
         return sum(1 for c in self.collectives if kind is None or c.kind == kind)
@@ -127,17 +156,17 @@ class CommStats:
     @property
     def launches(self) -> int:
         """Collective executions per call (instructions times trip counts; branches included)."""
-        return sum(c.executions or 0 for c in self.collectives)
+        return sum(self._runs(c) for c in self.collectives)
 
     @property
     def sent_bytes_per_device(self) -> float:
         """Bytes one device sends per call, all collectives together (branches included)."""
-        return sum(c.sent_bytes * (c.executions or 0) for c in self.collectives)
+        return sum(c.sent_bytes * self._runs(c) for c in self.collectives)
 
     @property
     def payload_bytes(self) -> int:
         """Operand bytes of all collectives per call on one device."""
-        return sum(c.payload_bytes * (c.executions or 0) for c in self.collectives)
+        return sum(c.payload_bytes * self._runs(c) for c in self.collectives)
 
     def sent_bytes_by_axes(self, mesh: jax.sharding.Mesh) -> dict[tuple[str, ...], float]:
         """Bytes one device sends per call, per tuple of mesh axes the collectives run over
@@ -145,7 +174,7 @@ class CommStats:
         out: dict[tuple[str, ...], float] = {}
         for c in self.collectives:
             axes = c.mesh_axes(mesh)
-            out[axes] = out.get(axes, 0.0) + c.sent_bytes * (c.executions or 0)
+            out[axes] = out.get(axes, 0.0) + c.sent_bytes * self._runs(c)
         return out
 
     def table(self) -> str:
@@ -158,7 +187,10 @@ class CommStats:
                 f"{c.kind:<20} {','.join(c.dtypes):<12} {c.group_size:>4} "
                 f"{c.payload_bytes:>12,} {c.sent_bytes:>12,.0f} {runs}"
             )
-        rows.append(f"total sent per device: {self.sent_bytes_per_device:,.0f} B")
+        if any(c.executions is None for c in self.collectives):
+            rows.append("total sent per device: not known (a loop of unknown trip count)")
+        else:
+            rows.append(f"total sent per device: {self.sent_bytes_per_device:,.0f} B")
         return "\n".join(rows)
 
 
@@ -166,8 +198,14 @@ def array_bytes(type_text: str) -> int:
     """Bytes of every array in an HLO type string (a tuple type sums its elements)."""
     total = 0
     for dtype, dims in _ARRAY.findall(type_text):
-        if dtype not in _BITS:
+        if dtype in _NOT_DATA:
             continue
+        if dtype not in _BITS:
+            raise ValueError(
+                f"array_bytes: HLO element type {dtype!r} (in {type_text!r}) has no known "
+                "width, so its bytes cannot be counted (counting them as 0 would understate "
+                "the traffic). Please report it with the jax version."
+            )
         numel = 1
         for d in filter(None, dims.split(",")):
             numel *= int(d)
@@ -381,7 +419,9 @@ def comm_stats(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommStats:
       fn: a function, jitted or not (it is wrapped in ``jax.jit``); typically a
         ``jax.shard_map``/``jax.pmap`` program over the worker axis.
       *args: its arguments, arrays or ``jax.ShapeDtypeStruct`` (compile only, no allocation).
-      **kwargs: keyword arguments, treated as static by ``lower``.
+      **kwargs: keyword arguments: those holding arrays (or ``jax.ShapeDtypeStruct``) are
+        traced like ``args``; any other (``step_kind=``, a flag, a string) is bound to ``fn``
+        as a constant of the compiled program.
 
     Returns:
       A :class:`CommStats`: one :class:`Collective` per collective instruction, with bytes
@@ -402,5 +442,12 @@ def comm_stats(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommStats:
             "ozo.comm_stats(dp.jit(functools.partial(step, step_kind=kind)), *args) with kind "
             "from schedule.kinds (or your compile_kind(kind) for ozo.dispatch_by_kind)."
         )
-    lowered = jax.jit(fn).lower(*args, **kwargs)
+    arrays = (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic)
+    static = {
+        k: v
+        for k, v in kwargs.items()
+        if not any(isinstance(leaf, arrays) for leaf in jax.tree.leaves(v))
+    }
+    traced = {k: v for k, v in kwargs.items() if k not in static}
+    lowered = jax.jit(functools.partial(fn, **static) if static else fn).lower(*args, **traced)
     return parse_hlo(lowered.compile().as_text())
