@@ -327,6 +327,27 @@ def test_precompile_compiles_every_kind_before_the_first_step(name):
         assert raw.compiled is not None and raw.program._cache_size() == 0
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ozo.zero_one_schedule(var_freeze_step=1, local_step_scaler=4),
+        ozo.zero_one_schedule(var_freeze_step=2, local_step_scaler=4),
+        ozo.zero_one_schedule(var_freeze_step=40, var_update_scaler=2, local_step_scaler=4),
+        ozo.diloco_schedule(3, start_step=2),
+        ozo.local_step_schedule(ozo.LocalStepDoubling(2, 4), start_step=5),
+        ozo.onebit_schedule(4),
+    ],
+    ids=["freeze1", "freeze2", "freeze40", "diloco_warm_up", "local_warm_up", "onebit"],
+)
+def test_the_kinds_ahead_are_the_kinds_the_walk_of_the_run_meets(schedule):
+    """What precompile compiles: every kind the run still meets and no other (a warm-up of
+    pass-through steps has no "compressed" step, which precompile used to compile anyway)."""
+    run = 200
+    for first in (1, 2, 3, 6, 41, 42):
+        met = {schedule.kinds[i] for i in schedule.indices(run, first)}
+        assert set(schedule.kinds_from(first)) == met, (first, schedule.kinds_from(first), met)
+
+
 def test_precompile_after_a_restore_in_phase_b_compiles_phase_b_only():
     tx = zero_one()
     params = params0()

@@ -121,11 +121,25 @@ class StepSchedule:
         return tuple(k.name for k in self.kinds)
 
     def kinds_from(self, step: int) -> tuple[StepKind, ...]:
-        """The kinds steps ``step`` and later can have: every kind up to the variance freeze,
-        phase B's after it (what a run resumed at ``step`` still needs compiled)."""
-        if step <= self.variance_policy.freeze_step:
-            return self.kinds
-        return tuple(k for k in self.kinds if not k.phase_a)
+        """The kinds steps ``step`` and later can have (what a run resumed at ``step`` still
+        needs compiled): phase B's, and the phase-A kinds the policies give between ``step``
+        and the variance freeze, walked on the host (at most :data:`_WALK_LIMIT` steps; past
+        that, every phase-A kind). A warm-up of pass-through steps (``start_step`` of
+        :func:`local_step_schedule`) or a freeze at step 1 has no ``"compressed"`` step, and
+        a precompiled run no longer compiles one."""
+        freeze = self.variance_policy.freeze_step
+        ahead = {k for k in self.kinds if not k.phase_a}
+        if step <= freeze:
+            phase_a = {k for k in self.kinds if k.phase_a}
+            if freeze - step >= _WALK_LIMIT:
+                ahead |= phase_a
+            else:
+                walk = _Walk(self)
+                for k in range(step, freeze + 1):
+                    ahead.add(walk.kind(k))
+                    if phase_a <= ahead:
+                        break
+        return tuple(k for k in self.kinds if k in ahead)
 
     def indices(self, num_steps: int, first: int = 1) -> np.ndarray:
         """The kind (an index into :attr:`kinds`) of each step ``first..num_steps``."""
@@ -159,6 +173,7 @@ def _check_step(step: Any) -> int:
     return int(step)
 
 
+_WALK_LIMIT = 1_000_000  # steps kinds_from walks (~1 us each) before assuming every kind
 _WALK_LOCK = threading.Lock()  # StepSchedule.kind's walk is shared by the schedule's callers
 
 
