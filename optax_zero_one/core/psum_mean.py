@@ -54,20 +54,20 @@ input; small workers' errors stay below ``S``. Measured, ``N = 8``, 257 elements
 zero-mean noise, max ``|e|`` 1-3x the largest input for both backends; persistent per-worker
 biases, ~50-60x (two-phase: ~12x).
 
-**Fields and packing.** A count ``0..N`` needs ``w = ceil(log2(N + 1))`` bits
-(:func:`field_width`: 2 bits for ``N = 2, 3``, 4 for ``N = 8..15``, 8 for ``N = 128..255``); a
-uint32 word holds ``f = floor(32 / w)`` fields (:func:`fields_per_word`). Each worker puts a 0/1
-bit in each field, so every field of the psum holds at most ``N < 2^w`` and no carry crosses a
-field. The signs of all leaves are concatenated (``T`` elements, no per-leaf padding), padded
-with zeros to ``f W`` with ``W = ceil(T / f)``, and laid out in planes: element ``k W + j`` is
-field ``k`` (bits ``k w .. k w + w - 1``) of word ``j`` (:func:`pack_signs`,
+**Fields and packing.** A count ``0..N`` needs ``w = ceil(log2(N + 1))`` bits (:func:`field_width`:
+2 bits for ``N = 2, 3``, 4 for ``N = 8..15``, 8 for ``N = 128..255``); a uint32 word holds ``f =
+floor(32 / w)`` fields (:func:`fields_per_word`). Each worker puts a 0/1 bit in each field, so every
+field of the psum holds at most ``N < 2^w`` and no carry crosses a field. The signs of the whole
+``(N, C)`` buffer (``T = N C`` entries: each leaf padded as the flat layout pads it, padding entries
+sending 0) are padded with zeros to ``f W`` with ``W = ceil(T / f)``, and laid out in planes:
+element ``k W + j`` is field ``k`` (bits ``k w .. k w + w - 1``) of word ``j`` (:func:`pack_signs`,
 :func:`unpack_counts`). Padding bits are zero on every worker, hence count zero, and are dropped.
-Larger ``N`` is rejected: ``w`` would exceed 8 bits and the scale limbs would overflow, and the
-psum backend already sends more bytes than the two-phase one (use ``collective="two_phase"``).
+Larger ``N`` is rejected: ``w`` would exceed 8 bits and the scale limbs would overflow, and the psum
+backend already sends more bytes than the two-phase one (use ``collective="two_phase"``).
 
-**Traffic per worker**: one uint32 all-reduce of ``W + 13 L`` words for ``L`` non-empty leaves,
-i.e. about ``32 / f`` bits per element (4 for ``N = 8..15``, 8 for ``N = 64..255``) in the
-payload and twice that through a ring; the two-phase backend sends about 2 bits per element in
+**Traffic per worker**: one uint32 all-reduce of ``W + 13 L`` words for ``L`` leaves (zero-size ones
+included), i.e. about ``32 / f`` bits per element (4 for ``N = 8..15``, 8 for ``N = 64..255``) in
+the payload and twice that through a ring; the two-phase backend sends about 2 bits per element in
 two rounds, a float32 all-reduce 64.
 
 Everything except the psum is elementwise, integer, or a fixed-order sum

@@ -59,13 +59,14 @@ _ONLY_DEFAULT = {
         "DeepSpeed stores it but never reads it: eps is always added outside the square root. "
         "Remove the key to get DeepSpeed's behaviour",
     ),
-    "max_grad_norm": (
-        0,
-        "DeepSpeed stores it but never clips with it (its clipping is the top-level "
-        "'gradient_clipping' key). Remove the key to get DeepSpeed's behaviour; to clip, chain "
-        "optax.clip_by_global_norm before the optimizer yourself (it then clips each worker's "
-        "local gradient)",
-    ),
+}
+
+# Keys refused whatever their value, as DeepSpeed's engine refuses them.
+_REFUSED = {
+    "max_grad_norm": "DeepSpeed's engine refuses it in the optimizer params, whatever its value "
+    "(its clipping is the top-level 'gradient_clipping' key). Remove the key; to clip, chain "
+    "optax.clip_by_global_norm before the optimizer yourself (it then clips each worker's "
+    "local gradient)",
 }
 
 _DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -100,7 +101,7 @@ def from_deepspeed_config(
     ``bias_correction``     ignored (true, false, 0 or 1): DeepSpeed applies none
     ``amsgrad``             only ``false`` or ``0`` (AMSGrad is not supported)
     ``eps_inside_sqrt``     only ``false`` or ``0`` (DeepSpeed ignores ``true``)
-    ``max_grad_norm``       only ``0`` (DeepSpeed ignores other values)
+    ``max_grad_norm``       refused, as DeepSpeed's engine refuses it
     ======================= =====================================================
 
     Any other key raises ``ValueError``, as DeepSpeed's constructors raise ``TypeError``.
@@ -133,6 +134,8 @@ def from_deepspeed_config(
     kind, params = _parse_section(config)
     supported = (*_COMMON, *_OWN[kind], *_IGNORED, *_ONLY_DEFAULT)
     for key in params:
+        if key in _REFUSED:
+            raise ValueError(f"{kind} param {key} is not supported: {_REFUSED[key]}.")
         if key not in supported:
             raise ValueError(_unknown_key_message(kind, key, supported))
     for key, (allowed, why) in _ONLY_DEFAULT.items():
@@ -200,7 +203,8 @@ def _parse_section(config: Any) -> tuple[str, Mapping[str, Any]]:
             "'ZeroOneAdam' (0/1 Adam) and 'OneBitAdam' (1-bit Adam). For plain Adam/AdamW use "
             "optax.adamw with a jax.lax.pmean of the gradients."
         )
-    params = config.get("params", {})
+    params = config.get("params")
+    params = {} if params is None else params  # DeepSpeed reads a null params as none
     if not isinstance(params, Mapping):
         raise ValueError(f"'params' must be a dict, got {type(params).__name__}.")
     return _TYPES[name.lower()], params
@@ -243,6 +247,6 @@ def _number(kind: str, key: str, value: Any) -> float:
 
 
 def _betas(kind: str, value: Any) -> tuple[float, float]:
-    if isinstance(value, str) or not hasattr(value, "__len__") or len(value) != 2:
+    if not isinstance(value, list | tuple) or len(value) != 2:
         raise ValueError(f"{kind} param betas must be a pair [b1, b2], got {value!r}.")
     return _number(kind, "betas[0]", value[0]), _number(kind, "betas[1]", value[1])
