@@ -50,6 +50,10 @@ SLOW_TESTS = {
     "test_comm_volume.py::test_every_kind_at_a_larger_n_sends_what_the_formulas_say",
     "test_collective.py::test_same_mean_under_every_mapping_and_on_every_worker",
     "test_data_parallel.py::test_two_processes_train_as_one",
+    # dp.jit's precompile and a context mesh (~30 s): the dispatcher's own precompile and
+    # placement tests in test_step_kinds.py and test_data_parallel.py stay in make test
+    "test_data_parallel.py::test_precompiled_kinds_run_the_same_steps",
+    "test_data_parallel.py::test_a_context_mesh_changes_nothing",
     "test_data_parallel.py::test_an_array_extra_argument_reaches_the_optimizer_on_every_model_shard",
     "test_diloco.py::test_a_sync_skipped_for_its_outer_step_keeps_the_error_buffers",
     "test_resume.py::test_reset_compression_of_a_partial_or_flattened_local_step_state",
