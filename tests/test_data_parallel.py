@@ -22,16 +22,20 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.jobs import data_parallel_worker as job
-from support.jobs.data_parallel_worker import SPECS, STEPS, batches, host_params, loss_fn, make_tx
+from support.jobs.data_parallel_worker import (
+    SCHEDULE,
+    SPECS,
+    STEPS,
+    batches,
+    host_params,
+    loss_fn,
+    make_tx,
+)
 
 import optax_zero_one as ozo
 
 AUTO = jax.sharding.AxisType.Auto
 N = 4
-# make_tx()'s step kinds
-SCHEDULE = ozo.zero_one_schedule(
-    var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2
-)
 
 
 def mesh_of(model):
@@ -564,29 +568,37 @@ def test_two_d_precompiled_programs_keep_every_sharding():
     assert all(raw.compiled is not None for raw in train._raw.values())
 
 
-def test_two_processes_train_as_one(tmp_path):
-    """The same training on 2 processes x 4 devices (the data axis spans both; params placed
-    and converted per process) and on this process's 8 devices: the same losses and
-    evaluation params up to the float all-reduce's summation order, identical on both
-    processes."""
-    tests = pathlib.Path(__file__).resolve().parent
-    launch = [
-        "-m",
-        "optax_zero_one.integration.launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "4",
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, *launch, "--timeout", "250", "--"]
-        + ["support.jobs.data_parallel_worker", "--out", str(tmp_path)],
-        cwd=tests,
+def _two_processes(out: pathlib.Path, *extra: str) -> subprocess.Popen:
+    """support.jobs.data_parallel_worker on 2 processes x 4 devices, started from tests/."""
+    launch = ["-m", "optax_zero_one.integration.launch", "--processes", "2"]
+    launch += ["--devices-per-process", "4", "--timeout", "250", "--"]
+    return subprocess.Popen(
+        [sys.executable, *launch, "support.jobs.data_parallel_worker", "--out", str(out), *extra],
+        cwd=pathlib.Path(__file__).resolve().parent,
         env=dict(os.environ, PJRT_NPROC="8", JAX_PLATFORMS="cpu"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def test_processes_that_build_their_params_apart_are_caught(tmp_path):
+    """Each process seeds its params with its own index (a multi-host user's mistake): every
+    step runs, and the workers of each process agree among themselves, so only a comparison
+    across processes sees it. The dispatcher's once-per-run check now makes one (a digest per
+    leaf, gathered) and stops both processes with the error."""
+    output, _ = _two_processes(tmp_path, "--seed-per-process").communicate(timeout=300)
+    assert "the workers of process 0 and those of process 1" in output, output[-5000:]
+    assert "not from its process index" in output
+    assert not list(tmp_path.glob("p*.npz"))  # neither process finished training
+
+
+def test_two_processes_train_as_one(tmp_path):
+    """The same training on 2 processes x 4 devices (the data axis spans both; params placed
+    and converted per process) and on this process's 8 devices: the same losses and
+    evaluation params up to the float all-reduce's summation order, identical on both
+    processes."""
+    proc = _two_processes(tmp_path)
     reference = job.train(job.job_mesh())  # meanwhile, the single-process reference
     losses, evaluated = np.asarray(reference["losses"]), job.evaluation(reference)
     output, _ = proc.communicate(timeout=300)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import operator
 import os
 import threading
@@ -728,7 +729,7 @@ def _samples(leaf: jax.Array) -> dict[tuple, list[tuple[int, np.ndarray]]]:
     shards hold different values)."""
     rows: dict[tuple, list[tuple[int, np.ndarray]]] = {}
     for shard in leaf.addressable_shards:
-        lead, *rest = shard.index  # slices, or an int where a sharding drops the axis
+        lead = shard.index[0]  # a slice, or an int where a sharding drops the axis
         if not shard.data.size:
             continue
         count = shard.data.shape[0] if isinstance(lead, slice) else 1
@@ -736,7 +737,7 @@ def _samples(leaf: jax.Array) -> dict[tuple, list[tuple[int, np.ndarray]]]:
         stride = max(1, data.shape[1] // 64)
         sample = np.asarray(data[:, ::stride][:, :64])
         first = (lead.start or 0) if isinstance(lead, slice) else int(lead)
-        where = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in rest)
+        where = _where(shard.index)
         rows.setdefault(where, []).extend((first + r, sample[r]) for r in range(count))
     return rows
 
@@ -775,26 +776,79 @@ def check_workers_agree(
     layout = flat.find_layout(state)
     if (layout.num_workers if layout is not None else 2 if worker_axis else 1) < 2:
         return
-    for cls, value in _graph.shared_values(state):
-        for path, leaf in _worker_leaves(value, counter):
-            for found in _samples(leaf).values():
-                differs = [w for w, b in found if b.tobytes() != found[0][1].tobytes()]
-                if differs:
-                    at = "" if step is None else f" at step {step}"
-                    raise ValueError(
-                        f"The workers train apart: {cls.__name__}.{cls.SHARED}"
-                        f"{jax.tree_util.keystr(path)} (the last synchronised point, the same "
-                        f"on every worker by design) differs between worker {found[0][0]} and "
-                        f"worker {differs[0]}{at}, and no later sync brings them together. "
-                        "Either the workers did not start from the same params (build them "
-                        "with ozo.replicate(params, num_workers) or dp.to_workers(params), "
-                        "not with a key per worker); or a local_step_sync / diloco with "
-                        "start_step > 0 has an inner transform that does not average up to "
-                        "start_step (docs/diloco.md shows one that does); or a wrapper acts "
-                        "on one worker alone: optax.apply_if_finite around the optimizer (it "
-                        "handles non-finite values itself), or a transform after it that "
-                        "changes its updates (docs/usage.md, 'What does not compose')."
-                    )
+    entries = [
+        (f"{cls.__name__}.{cls.SHARED}{jax.tree_util.keystr(path)}", leaf, _samples(leaf))
+        for cls, value in _graph.shared_values(state)
+        for path, leaf in _worker_leaves(value, counter)
+    ]
+    # first the processes' digests (every process takes part before any can raise), then the
+    # workers this process holds, then those of other processes
+    apart = _processes_apart(entries)
+    at = "" if step is None else f" at step {step}"
+    for name, _, samples in entries:
+        for found in samples.values():
+            differs = [w for w, b in found if b.tobytes() != found[0][1].tobytes()]
+            if differs:
+                _raise_apart(name, f"worker {found[0][0]} and worker {differs[0]}", at)
+    if apart is not None:
+        name, first, other = apart
+        _raise_apart(
+            name,
+            f"the workers of process {first} and those of process {other}",
+            at,
+            " (across processes: each process must build the params from the same seed "
+            "and the same data, not from its process index)",
+        )
+
+
+def _raise_apart(name: str, where: str, at: str, hint: str = "") -> None:
+    raise ValueError(
+        f"The workers train apart: {name} (the last synchronised point, the same on every "
+        f"worker by design) differs between {where}{at}, and no later sync brings them "
+        "together. Either the workers did not start from the same params (build them with "
+        "ozo.replicate(params, num_workers) or dp.to_workers(params), not with a key per "
+        f"worker{hint}); or a local_step_sync / diloco with start_step > 0 has an inner "
+        "transform that does not average up to start_step (docs/diloco.md shows one that "
+        "does); or a wrapper acts on one worker alone: optax.apply_if_finite around the "
+        "optimizer (it handles non-finite values itself), or a transform after it that "
+        "changes its updates (docs/usage.md, 'What does not compose')."
+    )
+
+
+def _where(index: tuple) -> tuple:
+    """Where a shard lies besides the worker axis (its index's other entries, hashable)."""
+    return tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index[1:])
+
+
+def _processes_apart(entries: list) -> tuple[str, int, int] | None:
+    """With several processes: ``(name, process, other process)`` of the first leaf whose
+    shared values differ between processes (compared where both hold the same part of it:
+    model shards hold different values), else ``None``. One small all-gather of a digest per
+    leaf and part, on every process (a host-side collective, once per run)."""
+    if jax.process_count() == 1 or not entries:
+        return None
+    from jax.experimental import multihost_utils
+
+    keys = [
+        (i, where)
+        for i, (_, leaf, _) in enumerate(entries)
+        for where in sorted(
+            {_where(ix) for ix in leaf.sharding.devices_indices_map(leaf.shape).values()}, key=repr
+        )
+    ]
+    mine = np.zeros((2, len(keys)), np.int64)  # (digest, held)
+    for k, (i, where) in enumerate(keys):
+        found = entries[i][2].get(where)
+        if found:
+            digest = hashlib.blake2b(found[0][1].tobytes(), digest_size=8).digest()
+            mine[:, k] = int.from_bytes(digest, "little", signed=True), 1
+    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, 2, keys)
+    for k, (i, _) in enumerate(keys):
+        held = np.flatnonzero(every[:, 1, k])
+        if held.size and np.any(every[held, 0, k] != every[held[0], 0, k]):
+            other = held[every[held, 0, k] != every[held[0], 0, k]][0]
+            return entries[i][0], int(held[0]), int(other)
+    return None
 
 
 @outside_user_mesh

@@ -36,8 +36,8 @@ SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
 STEPS = 14
 
 
-def host_params() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
+def host_params(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
     return {
         "w1": (0.3 * rng.standard_normal((16, 32))).astype(np.float32),
         "w2": (0.3 * rng.standard_normal((32, 4))).astype(np.float32),
@@ -55,6 +55,12 @@ def make_tx() -> optax.GradientTransformationExtraArgs:
         local_step_scaler=4,
         local_step_clipper=2,
     )
+
+
+# make_tx()'s step kinds
+SCHEDULE = ozo.zero_one_schedule(
+    var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2
+)
 
 
 def loss_fn(p: dict, x: jax.Array) -> jax.Array:
@@ -75,16 +81,17 @@ def job_mesh(model: int = 2) -> jax.sharding.Mesh:
     return jax.make_mesh((4, model), ("data", "model"), axis_types=auto, devices=devices)
 
 
-def setup(mesh: jax.sharding.Mesh) -> tuple:
+def setup(mesh: jax.sharding.Mesh, seed: int = 0) -> tuple:
     """``(dp, tx, step, params)``: the params placed as a multi-host jit user places them
-    (sharded as ``SPECS`` says over the mesh's axes), the helper, its optimizer and the step."""
+    (sharded as ``SPECS`` says over the mesh's axes), the helper, its optimizer and the step.
+    ``seed``: of the host params (a process given its own builds params apart)."""
 
     def spec(name: str) -> P:
         return SPECS[name] if "model" in mesh.axis_names else P()
 
     params = {
         k: jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec(k)), lambda i, x=x: x[i])
-        for k, x in host_params().items()
+        for k, x in host_params(seed).items()
     }
     dp = ozo.data_parallel(mesh, params)
     tx = dp.optimizer(make_tx())
@@ -97,13 +104,16 @@ def setup(mesh: jax.sharding.Mesh) -> tuple:
     return dp, tx, step, params
 
 
-def train(mesh: jax.sharding.Mesh, steps: int = STEPS) -> dict:
-    """Trains ``steps`` steps; returns the helper, the final params, state and compiled step,
-    and the mean loss over the data workers of every step."""
-    dp, tx, step, params = setup(mesh)
+def train(
+    mesh: jax.sharding.Mesh, steps: int = STEPS, seed: int = 0, schedule: object = None
+) -> dict:
+    """Trains ``steps`` steps (dispatched by kind with ``schedule``); returns the helper, the
+    final params, state and compiled step, and the mean loss over the data workers of every
+    step."""
+    dp, tx, step, params = setup(mesh, seed)
     params_w = dp.to_workers(params)
     state = dp.init(tx, params_w)
-    train_step = dp.jit(step)
+    train_step = dp.jit(step, schedule=schedule)
     losses = []
     mean = jax.jit(jnp.mean, out_shardings=NamedSharding(mesh, P()))  # readable everywhere
     for x in batches(steps):
@@ -122,8 +132,14 @@ def evaluation(run: dict) -> dict[str, np.ndarray]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument(
+        "--seed-per-process", action="store_true", help="a user's mistake: params apart"
+    )
     args = parser.parse_args()
     job = ozo.initialize_from_env()
+    if args.seed_per_process:  # dispatched: the dispatcher compares the workers
+        train(job_mesh(), seed=job.process_id, schedule=SCHEDULE)
+        return
     run = train(job_mesh())
     args.out.mkdir(parents=True, exist_ok=True)
     np.savez(args.out / f"p{job.process_id}.npz", losses=run["losses"], **evaluation(run))
