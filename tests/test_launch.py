@@ -8,6 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from optax_zero_one.integration import distributed, launch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -84,3 +88,64 @@ def test_a_taken_port_is_reported_before_anything_starts():
         )
     assert result.returncode == 2, result.stdout
     assert f"port {port} on 127.0.0.1 is not available" in result.stdout
+
+
+def test_output_that_is_not_utf8_from_a_module_without_jax_goes_through():
+    """One byte that is not UTF-8 killed the thread that forwards a process's output; the
+    pipe then filled and the job hung. And a module that never ran JAX was failed as one that
+    never joined the job."""
+    cmd = [sys.executable, "-m", "optax_zero_one.integration.launch", "--processes", "2"]
+    result = subprocess.run(
+        [*cmd, "--timeout", "60", "--", "support.jobs.launch_plain_output"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "tests")),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:]
+    assert "[p0] caf\\xe9" in out and "[p1] line 19999" in out, out[-3000:]
+
+
+def test_the_environment_of_the_processes(monkeypatch):
+    monkeypatch.setenv("PJRT_NPROC", "2")  # left from a 1-device run: too few for 8 devices
+    env = launch._job_env(None, processes=2, devices=8, port=1234, failure_dir="/tmp/x")
+    assert env["PJRT_NPROC"] == "16" and env["JAX_NUM_CPU_DEVICES"] == "8"
+    assert env["JAX_ENABLE_PREEMPTION_SERVICE"] == "false"  # it swallows the launcher's SIGTERM
+    assert env[launch.LAUNCHER_PID] == str(os.getpid())
+    monkeypatch.setenv("PJRT_NPROC", "64")  # more is kept
+    assert launch._job_env(None, 2, 8, 1234, "/tmp/x")["PJRT_NPROC"] == "64"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--processes", "0"], "--processes and --devices-per-process must be >= 1"),
+        (["--processes", "2", "--port", "70000"], "--port must be in 0..65535"),
+        (["--processes", "2", "--timeout", "-3"], "--timeout must be > 0"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch.main([*args, "--", "no_such_module"])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_subprocess_of_a_launched_process_does_not_join_the_job():
+    """It inherits the job's variables; it joined as its parent's rank and both died."""
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        **{
+            distributed.COORDINATOR: "127.0.0.1:9",  # nothing listens: joining would fail
+            distributed.NUM_PROCESSES: "2",
+            distributed.PROCESS_ID: "0",
+            distributed.LAUNCHED_PID: "1",  # the process the launcher started: not this one
+        },
+    )
+    code = "import optax_zero_one as ozo; j = ozo.initialize_from_env(); print(j.num_processes)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and result.stdout.split() == ["1"], result.stderr[-2000:]

@@ -38,6 +38,7 @@ COORDINATOR = "OZO_COORDINATOR"  # host:port of process 0
 NUM_PROCESSES = "OZO_NUM_PROCESSES"
 PROCESS_ID = "OZO_PROCESS_ID"
 FAILURE_DIR = "OZO_FAILURE_DIR"  # where a failing process notes when it failed
+LAUNCHED_PID = "OZO_LAUNCHED_PID"  # the pid of the process the launcher started (run_module)
 
 
 def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,6 +94,8 @@ def initialize_from_env() -> DistributedJob:
       >>> mesh = worker_mesh("w")
     """
     coordinator = os.environ.get(COORDINATOR)
+    if coordinator and os.environ.get(LAUNCHED_PID) not in (None, str(os.getpid())):
+        coordinator = None  # a subprocess of a launched process: it inherited the variables
     if coordinator:
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -193,7 +196,10 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = Non
             return jax.device_put(values, sharding)
         return jax.tree.map(
             lambda x: jax.make_array_from_callback(
-                np.shape(x), sharding, lambda index: np.asarray(x[index])
+                np.shape(x),
+                sharding,
+                lambda index: np.asarray(x[index]),
+                dtype=np.result_type(x),  # a process with no device of the mesh reads none
             ),
             values,
         )
@@ -206,9 +212,9 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = Non
 
     blocks = sharding.addressable_devices_indices_map((n,)).values()
     mine = sorted({i for index in blocks for i in range(*index[0].indices(n))})
-    first = values(mine[0])
+    first = values(mine[0] if mine else 0)  # no device of the mesh here: shapes only
     treedef, examples = jax.tree.structure(first), jax.tree.leaves(first)
-    rows[mine[0]] = examples
+    rows[mine[0] if mine else 0] = examples
 
     def leaf(j: int) -> jax.Array:
         shape = (n, *np.shape(examples[j]))
@@ -216,7 +222,9 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = Non
         def block(index: tuple) -> np.ndarray:
             return np.stack([np.asarray(leaves_of(i)[j]) for i in range(*index[0].indices(n))])
 
-        return jax.make_array_from_callback(shape, sharding, block)
+        return jax.make_array_from_callback(
+            shape, sharding, block, dtype=np.result_type(examples[j])
+        )
 
     return jax.tree.unflatten(treedef, [leaf(j) for j in range(len(examples))])
 
@@ -228,14 +236,25 @@ def _addressable_rows(x: Any) -> tuple[list[int], np.ndarray]:
         return list(range(x.shape[0])), x
     n = x.shape[0]
     blocks: dict[int, np.ndarray] = {}
+    filled: dict[int, np.ndarray] = {}
     for shard in x.addressable_shards:
         first = shard.index[0]
         data = np.asarray(shard.data)
         if isinstance(first, int):  # e.g. a pmap layout: the shard has no worker axis
-            blocks.setdefault(first, data[None])
-            continue
-        start = first.indices(n)[0]
-        blocks.setdefault(start, data)  # a copy on another mesh axis holds the same rows
+            first, data = slice(first, first + 1), data[None]
+        start, stop, _ = first.indices(n)
+        if start not in blocks:
+            blocks[start] = np.empty((stop - start, *x.shape[1:]), data.dtype)
+            filled[start] = np.zeros(blocks[start].shape, bool)
+        part = (slice(None), *shard.index[1:])  # a model axis splits a row over devices
+        blocks[start][part] = data
+        filled[start][part] = True
+    if not all(f.all() for f in filled.values()):
+        raise ValueError(
+            "some of this process's worker rows are split over devices of other processes (a "
+            "model axis across processes): gather them first, e.g. with "
+            "jax.experimental.multihost_utils.process_allgather"
+        )
     starts = sorted(blocks)
     data = np.concatenate([blocks[s] for s in starts])
     indices = [i for s in starts for i in range(s, s + len(blocks[s]))]

@@ -44,6 +44,7 @@ from optax_zero_one.integration import distributed
 
 HOST = "127.0.0.1"
 TAIL_LINES = 30
+LAUNCHER_PID = "OZO_LAUNCHER_PID"
 CHILD = "--child"  # first argument of a process the launcher started (see run_module)
 
 
@@ -94,10 +95,9 @@ def pick_port(port: int = 0, wrapper: Sequence[str] = ()) -> int:
 
 def _stop(procs: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
     """SIGTERM to every still-running process group, then SIGKILL after ``grace`` seconds."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:  # the group may outlive its leader (a subprocess of the module)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for p in procs:
         try:
@@ -176,12 +176,16 @@ def _job_env(
     base.update(env or {})
     base.setdefault("JAX_PLATFORMS", "cpu")
     # at least 2 threads per simulated device, or the devices' rendezvous can deadlock
-    base.setdefault("PJRT_NPROC", str(2 * devices))
+    nproc = base.get("PJRT_NPROC", "")
+    base["PJRT_NPROC"] = str(max(2 * devices, int(nproc) if nproc.isdigit() else 0))
     base["JAX_NUM_CPU_DEVICES"] = str(devices)
     base["PYTHONUNBUFFERED"] = "1"
+    # jax's preemption notifier swallows SIGTERM: stopping the job would always wait for SIGKILL
+    base.setdefault("JAX_ENABLE_PREEMPTION_SERVICE", "false")
     base[distributed.COORDINATOR] = f"{HOST}:{port}"
     base[distributed.NUM_PROCESSES] = str(processes)
     base[distributed.FAILURE_DIR] = failure_dir
+    base[LAUNCHER_PID] = str(os.getpid())  # a process the launcher starts dies with it
     return base
 
 
@@ -192,7 +196,7 @@ def _caught_signals() -> Iterator[list[int]]:
     got: list[int] = []
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
     try:
         yield got
@@ -213,7 +217,7 @@ class _Job:
         self.ended: dict[int, tuple[float, int]] = {}  # process -> (exit time, status)
 
     def say(self, text: str) -> None:
-        with self.lock:
+        with self.lock, contextlib.suppress(BrokenPipeError, ValueError):
             self.out.write(text + "\n")
             self.out.flush()
 
@@ -225,6 +229,7 @@ class _Job:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="backslashreplace",
             start_new_session=True,  # own process group: we stop it, Ctrl-C does not
         )
         self.procs.append(p)
@@ -258,7 +263,12 @@ class _Job:
                 self.say("[launch] interrupted: stopping all processes")
                 return 130
             if deadline is not None and time.monotonic() > deadline:
-                self.say(f"[launch] timeout after {timeout:.0f} s: stopping all processes")
+                running = [i for i in range(processes) if i not in self.ended]
+                self.say(f"[launch] timeout after {timeout:.0f} s: processes {running} still "
+                         "running; stopping all processes")  # fmt: skip
+                self._name_finished(failure_dir)
+                for i in running:
+                    self._say_tail(i)
                 return 124
             time.sleep(0.05)
 
@@ -271,10 +281,25 @@ class _Job:
         after = "".join(f", then process {i} (status {c})" for _, i, c in failures[1:])
         self.say(f"[launch] process {first} failed first, with status {code}{after}; "
                  "all processes stopped.")  # fmt: skip
-        self.say(f"[launch] last lines of process {first}:")
-        for line in self.tails[first]:
-            self.say(f"[launch]   | {line}")
+        self._name_finished(failure_dir)
+        self._say_tail(first)
         return code if code > 0 else 128 - code
+
+    def _name_finished(self, failure_dir: str) -> None:
+        """Where a process ended its module cleanly while others ran on, says so: the others
+        most likely waited for it in a collective, until JAX's shutdown barrier gave up (after
+        300 s, with an abort that names no culprit)."""
+        done = sorted(_finished(failure_dir))
+        if done:
+            self.say(f"[launch] processes {done} had finished their module cleanly while the "
+                     "others still ran: those were most likely waiting for them in a "
+                     "collective. Does every process run the same steps (a process that "
+                     "leaves the loop early leaves the others waiting)?")  # fmt: skip
+
+    def _say_tail(self, i: int) -> None:
+        self.say(f"[launch] last lines of process {i}:")
+        for line in self.tails[i]:
+            self.say(f"[launch]   | {line}")
 
     def stop(self) -> None:
         """Stops every process still running and drains their output."""
@@ -297,6 +322,16 @@ def _failed_at(directory: str, process: int, exited: float) -> float:
         return exited
 
 
+def _finished(directory: str) -> dict[int, float]:
+    """The processes that ended their module cleanly (``run_module``), and when."""
+    out = {}
+    for name in os.listdir(directory):
+        if name.endswith(".done"):
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(directory, name)) as f:
+                out[int(name[:-5])] = float(f.read())
+    return out
+
+
 def run_module(module: str, args: Sequence[str]) -> None:
     """Runs ``python -m module *args`` in this process; on failure exits at once (``os._exit``).
 
@@ -317,12 +352,15 @@ def run_module(module: str, args: Sequence[str]) -> None:
       >>> run_module("my_project.train", ["--steps", "100"])  # doctest: +SKIP
     """
     sys.argv = [module, *args]
+    os.environ[distributed.LAUNCHED_PID] = str(os.getpid())
+    _die_with_parent()
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
         code = exit_.code
         if code is None or code == 0:
             _check_joined(module)
+            _note_failure(".done")
             return
         _note_failure()
         if not isinstance(code, int):
@@ -335,6 +373,19 @@ def run_module(module: str, args: Sequence[str]) -> None:
         _exit_now(1)
     else:
         _check_joined(module)
+        _note_failure(".done")
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the launcher dies (SIGKILL, SIGHUP), not run on as an
+    orphan in its own session."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if sys.platform == "linux" and launcher:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if str(os.getppid()) != launcher:  # the launcher was gone before the line above
+            os._exit(1)
 
 
 def _check_joined(module: str) -> None:
@@ -342,7 +393,9 @@ def _check_joined(module: str) -> None:
     (each process then trained alone, as a job of one, and the launcher would report success)."""
     expected = int(os.environ.get(distributed.NUM_PROCESSES, "1"))
     jax_module = sys.modules.get("jax")
-    if expected < 2 or jax_module is None or jax_module.process_count() == expected:
+    if expected < 2 or jax_module is None or not _ran_jax():
+        return  # the module never ran JAX (jax is imported here anyway, by `distributed`)
+    if jax_module.process_count() == expected:
         return
     _note_failure()
     print(
@@ -355,11 +408,23 @@ def _check_joined(module: str) -> None:
     _exit_now(1)
 
 
-def _note_failure() -> None:
-    """Tells the launcher when this process failed (before the others notice and fail too)."""
+def _ran_jax() -> bool:
+    """Whether this process started a JAX backend (``process_count`` would start one)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # another jax: assume it ran, as before
+        return True
+
+
+def _note_failure(suffix: str = "") -> None:
+    """Tells the launcher when this process failed (before the others notice and fail too), or
+    (``suffix=".done"``) when it finished its module cleanly."""
     directory = os.environ.get(distributed.FAILURE_DIR)
     if directory:
-        with open(os.path.join(directory, os.environ.get(distributed.PROCESS_ID, "0")), "w") as f:
+        name = os.environ.get(distributed.PROCESS_ID, "0") + suffix
+        with open(os.path.join(directory, name), "w") as f:
             f.write(repr(time.monotonic()))  # CLOCK_MONOTONIC: comparable across processes
 
 
@@ -395,6 +460,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--netns", default=None, help="run every process inside this network namespace (root)"
     )
     opts = parser.parse_args(argv_own)
+    if opts.processes < 1 or opts.devices_per_process < 1:
+        parser.error("--processes and --devices-per-process must be >= 1")
+    if not 0 <= opts.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {opts.port}")
+    if opts.timeout is not None and opts.timeout <= 0:
+        parser.error(f"--timeout must be > 0 seconds, got {opts.timeout}")
     if not rest:
         parser.error("give the module to run after `--`")
     wrapper = ("ip", "netns", "exec", opts.netns) if opts.netns else ()
