@@ -330,3 +330,38 @@ def test_a_guard_restores_a_plain_container_state():
         np.testing.assert_array_equal(u["w"], np.zeros(3))
         u, s = tx.update({"w": jnp.ones(3)}, s, params)
         np.testing.assert_array_equal(u["w"], np.ones(3))
+
+
+def test_scheduled_mean_example_skips_a_nan_after_the_freeze():
+    """scheduled_mean's docstring composition: after the freeze the frozen-variance Adam took
+    the (NaN) mean as a local gradient already checked, applied it and still advanced its
+    counter, so skip_not_finite, which trusts that counter, let the NaN into the params for
+    good (a review). Now it refuses it and the guard skips the step."""
+    policy = ozo.VarianceDoubling(freeze_step=3)
+    tx = ozo.skip_not_finite(
+        optax.chain(
+            ozo.scheduled_mean("w", policy),
+            ozo.scale_by_frozen_variance_adam(variance_policy=policy),
+            optax.scale_by_learning_rate(1e-3),
+        )
+    )
+    x = jnp.ones((2, 4))
+    state = jax.vmap(tx.init, axis_name="w")(x)
+
+    def step(x, s, g):
+        u, s = tx.update(g, s, x)
+        return optax.apply_updates(x, u), s
+
+    run = jax.jit(jax.vmap(step, axis_name="w"))
+    for k in range(1, 8):
+        g = np.ones((2, 4), np.float32)
+        g[1, 0] = np.nan if k in (2, 5) else 1.0  # before and after the freeze
+        before = x
+        x, state = run(x, state, jnp.asarray(g))
+        assert np.all(np.isfinite(x)), k
+        if k == 2:  # before the freeze: a NaN mean, skipped on every worker
+            np.testing.assert_array_equal(x, before)
+        if k == 5:  # after it the mean rule passes each worker's own gradient: worker 1 skips
+            np.testing.assert_array_equal(x[1], before[1])
+            assert np.all(x[0] != before[0])
+    np.testing.assert_array_equal(np.asarray(state.skipped_updates), [1, 2])

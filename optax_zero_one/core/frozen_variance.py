@@ -196,8 +196,12 @@ def scale_by_frozen_variance_adam(
             drop = jnp.logical_not(_graph.all_finite(grads))
             grads = _graph.zero_unless(jnp.logical_not(drop), grads)
             ok = jnp.ones([], bool)
+        elif extra_args.get(kinds.INPUTS_FINITE):
+            ok = jnp.ones([], bool)  # local gradients, zeroed where not finite by the caller
         else:
-            ok = jnp.ones([], bool)  # local gradients, already checked by who passes them
+            # a mean passed on by another transform (scheduled_mean's, NaN where not finite):
+            # refused like one before the freeze, so that a skip keeps the counter as promised
+            ok = _graph.all_finite(grads)
         ok = jnp.logical_and(ok, admit)
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         mu = jax.tree.map(lambda m, g: keep(b1 * m + (1 - b1) * g, m), state.mu, grads)
@@ -205,7 +209,8 @@ def scale_by_frozen_variance_adam(
         if branch == UPDATE_V:
             nu = jax.tree.map(lambda v, g: keep(b2 * v + (1 - b2) * jnp.square(g), v), nu, grads)
         if frozen and momentum_mean is not None:
-            mean, new_averaged = momentum_mean.update(mu, averaged, params, **extra_args)
+            forwarded = {k: v for k, v in extra_args.items() if k != kinds.INPUTS_FINITE}
+            mean, new_averaged = momentum_mean.update(mu, averaged, params, **forwarded)
             averaged = _graph.keep_if(admit, new_averaged, averaged)
             ok = jnp.logical_and(_graph.all_finite(mean), admit)  # an overflow: skipped together
             mu = jax.tree.map(lambda x, o: jnp.where(ok, x, o), mean, mu)

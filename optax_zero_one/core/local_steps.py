@@ -409,8 +409,10 @@ def local_step_sync_over(
         # After start_step this worker's gradient is its own: dropped if it is not finite.
         drop = jnp.logical_not(_graph.all_finite(updates))
         grads = _graph.zero_unless(jnp.logical_not(drop), updates)
-        if extra.get("step_kind") is None and rule.inner_frozen_after_start:
-            extra = {**extra, "step_kind": kinds.SYNC if branch == SYNC else kinds.LOCAL}
+        if rule.inner_frozen_after_start:  # the library's own inner transform
+            extra = {**extra, kinds.INPUTS_FINITE: True}
+            if extra.get("step_kind") is None:
+                extra["step_kind"] = kinds.SYNC if branch == SYNC else kinds.LOCAL
         out, inner_state = inner.update(grads, state.inner_state, params, **extra)
         out = jax.tree.map(lambda d, a: d.astype(a.dtype), out, state.anchor)
         lr_sum = state.lr_sum + rule.learning_rate_at(state.count)
