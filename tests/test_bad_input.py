@@ -453,8 +453,54 @@ def test_policies_and_collective_out_of_range():
     with pytest.raises(ValueError, match="collective must be one of"):
         ozo.onebit_mean(AXIS, collective="ring")
     # an object that is not a policy fails at construction, naming what it lacks
-    with pytest.raises(AttributeError, match="freeze_step"):
+    with pytest.raises(ValueError, match="variance_policy must be a policy object"):
         ozo.scale_by_zero_one_adam(0.1, variance_policy="doubling")
+    with pytest.raises(ValueError, match="local_step_policy must be a policy object"):
+        ozo.scale_by_zero_one_adam(0.1, local_step_policy=object())
+    with pytest.raises(ValueError, match="variance_policy must be a policy object"):
+        ozo.scale_by_frozen_variance_adam(variance_policy=object())  # it failed at init
+    with pytest.raises(ValueError, match="variance_policy must be a policy object"):
+        ozo.scheduled_mean(AXIS, None)  # an AttributeError on None
+    with pytest.raises(ValueError, match="axis_name must be the name"):
+        ozo.scale_by_frozen_variance_adam(axis_name=5)  # an XLA shape error at update
+    with pytest.raises(ValueError, match="needs the inner transform's variance_policy"):
+        ozo.FrozenAdamSync(0.01).errors(
+            jax.vmap(ozo.scheduled_mean(AXIS, ozo.VarianceDoubling(2)).init, axis_name=AXIS)(
+                jnp.zeros((N, 3))
+            ),
+            4,
+        )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("b1", True), ("b2", True), ("eps", True), ("b1", None), ("b1", "0.9"), ("eps", None)],
+)
+def test_bools_strings_and_none_are_refused_for_the_adam_coefficients(field, value):
+    """b1=True trained nothing and b2=True diverged, silently (taken as 1); None and strings
+    failed late, inside the update's trace (a review)."""
+    with pytest.raises(ValueError, match=f"{field} must be a number in"):
+        ozo.zero_one_adam(0.1, axis_name=AXIS, **{field: value})
+    with pytest.raises(ValueError, match="weight_decay must be a number in"):
+        ozo.onebit_adam(0.1, axis_name=AXIS, weight_decay=True)
+
+
+def test_learning_rate_arrays_and_injected_values_are_checked():
+    # a vector of rates was applied per column of the internal flat buffer (another leaf's)
+    with pytest.raises(ValueError, match=r"learning_rate must be a scalar .* shape \(16,\)"):
+        ozo.zero_one_adam(jnp.full((16,), 1e-3), axis_name=AXIS)
+    ozo.zero_one_adam(np.asarray(1e-3), axis_name=AXIS)  # a 0-d NumPy array is a rate
+    ozo.zero_one_adam(1e-3, axis_name=AXIS, num_workers=np.int64(N))  # a NumPy integer too
+    # inject_hyperparams hands the constructor concrete arrays at init: checked like numbers
+    for name, value in (("eps", 0.0), ("var_freeze_step", 0), ("weight_decay", -1.0)):
+        tx = optax.inject_hyperparams(ozo.zero_one_adam, static_args=("axis_name",))(
+            1e-3, axis_name=None, **{name: value}
+        )
+        with pytest.raises(ValueError, match=name if name != "eps" else "eps must be"):
+            tx.init({"w": jnp.zeros(3)})
+    # a factory given for momentum_mean is named at construction (was an AttributeError)
+    with pytest.raises(TypeError, match="looks like an optimizer's factory"):
+        ozo.scale_by_frozen_variance_adam(momentum_mean=optax.adam)
 
 
 @pytest.mark.parametrize("factory", [ozo.zero_one_adam, ozo.onebit_adam])

@@ -164,3 +164,12 @@ def test_synchronized_params_rejects_two_zero_one_states():
     params = {"w": jnp.zeros(3)}
     with pytest.raises(ValueError, match="more than one LocalStepSyncState"):
         ozo.synchronized_params(params, tx.init(params))
+
+
+def test_unreplicate_refuses_a_worker_out_of_range_and_a_scalar_leaf():
+    tree = ozo.replicate({"w": jnp.arange(3.0)}, 2)
+    np.testing.assert_array_equal(ozo.unreplicate(tree, worker=-1)["w"], np.arange(3.0))
+    with pytest.raises(ValueError, match="worker 5 is out of range: the tree holds 2 workers"):
+        ozo.unreplicate(tree, worker=5)  # was NumPy's IndexError
+    with pytest.raises(ValueError, match="a scalar leaf"):
+        ozo.unreplicate({"w": jnp.zeros(())})

@@ -21,6 +21,20 @@ def is_static_number(value: Any) -> bool:
     return isinstance(value, int | float | np.number) and not isinstance(value, bool)
 
 
+def concrete_number(value: Any) -> Any:
+    """``value`` as a Python number where it is a concrete numeric scalar array (what
+    ``optax.inject_hyperparams`` passes to the constructor, checkable now), else unchanged (a
+    tracer, a schedule, a Python number)."""
+    if (
+        isinstance(value, jax.Array | np.ndarray)
+        and not isinstance(value, jax.core.Tracer)
+        and np.ndim(value) == 0
+        and jnp.issubdtype(value.dtype, jnp.number)
+    ):
+        return value.item()
+    return value
+
+
 INT32_MAX = 2**31 - 1
 """The largest step number the optimizers' int32 counters hold."""
 
@@ -49,12 +63,18 @@ def check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``low <= value < high`` (or ``<= high``)."""
+    """Raises ``ValueError`` naming ``name`` unless ``low <= value < high`` (or ``<= high``).
+
+    A concrete scalar array (injected) is checked like a number; a tracer cannot be. A bool,
+    a string or ``None`` is refused (``True`` was taken as 1 and ``b1=True`` trained nothing)."""
+    bracket = ")" if high_open else "]"
+    if isinstance(value, bool | np.bool_ | str) or value is None:
+        raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}.")
+    value = concrete_number(value)
     if not is_static_number(value):
         return
     ok = low <= value < high if high_open else low <= value <= high
     if not ok or np.isnan(value):
-        bracket = ")" if high_open else "]"
         raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}.")
 
 
@@ -71,8 +91,14 @@ def check_learning_rate(learning_rate: Any) -> None:
                 "(one rate for every parameter), e.g. optax.cosine_decay_schedule(1e-3, 10_000)."
             )
         return
-    if isinstance(learning_rate, bool) or not (
-        is_static_number(learning_rate) or isinstance(learning_rate, jax.Array)
+    if isinstance(learning_rate, jax.Array | np.ndarray) and np.ndim(learning_rate) != 0:
+        raise ValueError(
+            f"learning_rate must be a scalar (one rate for every parameter), got an array of "
+            f"shape {np.shape(learning_rate)}; for a rate per group of parameters use "
+            "optax.multi_transform with one optimizer per group."
+        )
+    if isinstance(learning_rate, bool | np.bool_) or not (
+        is_static_number(learning_rate) or isinstance(learning_rate, jax.Array | np.ndarray)
     ):
         raise ValueError(
             f"learning_rate must be a float or an optax.Schedule, got {learning_rate!r}."
@@ -236,7 +262,7 @@ def fast_size(axes: Axes, num_workers: Any = None) -> int:
 
 
 def positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 1
 
 
 def check_num_workers(axes: Axes, num_workers: Any) -> None:
@@ -439,6 +465,19 @@ def check_policy(name: str, policy: Any, method: str, example: str) -> None:
         )
 
 
+def check_variance_policy(policy: Any) -> None:
+    """:func:`check_policy` for a variance policy, which also needs its ``freeze_step`` (the
+    last step of phase A)."""
+    check_policy(
+        "variance_policy", policy, "is_update_step", "ozo.VarianceDoubling(freeze_step=1000)"
+    )
+    if not hasattr(policy, "freeze_step"):
+        raise ValueError(
+            f"variance_policy needs a freeze_step (the last step that may update the variance), "
+            f"as ozo.VarianceDoubling and ozo.FullPrecisionWarmup have; got {policy!r}."
+        )
+
+
 _TRANSFORMATION_EXAMPLES = {
     "inner": "optax.adamw(1e-3)",
     "outer": "optax.sgd(0.7, momentum=0.9, nesterov=True)",
@@ -467,6 +506,7 @@ def check_transformation(name: str, tx: Any) -> Any:
 def check_variance_measured(freeze: Any, name: str = "") -> None:
     """Raises ``ValueError`` for a static variance freeze step below 1 (a negative one too:
     the same reason, said at once; ``name`` the argument's, for its message)."""
+    freeze = concrete_number(freeze)  # injected: checked like a number
     if not is_static_number(freeze) or isinstance(freeze, bool):
         return
     if freeze >= 1:

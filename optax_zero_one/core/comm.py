@@ -74,8 +74,10 @@ class Comm:
         check_collective(collective, collectives)
         check_hierarchy(fast_axis_name, collective)
         _checks.check_num_workers(axes, num_workers)
-        if isinstance(num_workers, list):
-            num_workers = tuple(num_workers)
+        if isinstance(num_workers, list | tuple):
+            num_workers = tuple(int(n) for n in num_workers)
+        elif num_workers is not None:
+            num_workers = int(num_workers)  # a NumPy integer too
         return cls(axes, num_workers, collective, mask)
 
     @property

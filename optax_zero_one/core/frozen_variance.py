@@ -127,15 +127,19 @@ def scale_by_frozen_variance_adam(
     _checks.check_range("eps", eps, 0.0, float("inf"), high_open=True)
     # below float32's smallest normal number eps is 0 to the update's arithmetic (flushed on
     # XLA:CPU): a coordinate that never had a gradient then computes 0 / 0
-    if _checks.is_static_number(eps) and eps < np.finfo(np.float32).tiny:
+    eps_now = _checks.concrete_number(eps)  # injected: checked like a number
+    if _checks.is_static_number(eps_now) and eps_now < np.finfo(np.float32).tiny:
         raise ValueError(
             f"eps must be >= {np.finfo(np.float32).tiny:.3g} (float32's smallest normal "
-            f"number), got {eps}: a coordinate whose frozen variance is 0 would divide by zero "
+            f"number), got {eps_now}: a coordinate whose frozen variance is 0 would divide by zero "
             "at every step after the freeze (a smaller eps is 0 in float32). Use e.g. "
             "eps=1e-8 (Adam's and DeepSpeed's default)."
         )
     policy = variance_policy or policies.VarianceDoubling()
-    _checks.check_variance_measured(getattr(policy, "freeze_step", None))
+    _checks.check_variance_policy(policy)
+    _checks.check_variance_measured(policy.freeze_step)
+    _checks.worker_axes(*(axis_name if isinstance(axis_name, tuple) else (axis_name, None)))
+    momentum_mean = _checks.check_transformation("momentum_mean", momentum_mean)
 
     def init_fn(params: optax.Params) -> FrozenVarianceAdamState:
         zeros = lambda: jax.tree.map(  # noqa: E731 (separate buffers, so the state can be donated)

@@ -113,6 +113,7 @@ def scheduled_mean_over(
     comm: Comm, variance_policy: policies.VariancePolicy, *, compressed_steps: bool = True
 ) -> optax.GradientTransformationExtraArgs:
     """:func:`scheduled_mean` for a checked :class:`~optax_zero_one.core.comm.Comm`."""
+    _checks.check_variance_policy(variance_policy)
     axes = comm.axes
     freeze = variance_policy.freeze_step
 

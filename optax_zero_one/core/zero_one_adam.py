@@ -61,6 +61,10 @@ class FrozenAdamSync(local_steps.ParamsAverage):
 
     def __post_init__(self) -> None:
         _checks.check_learning_rate(self.learning_rate)
+        _checks.check_range("eps", self.eps, 0.0, float("inf"), high_open=True)
+        eps = _checks.concrete_number(self.eps)  # a tracer (injected, in update) is not checked
+        if _checks.is_static_number(eps) and eps == 0:
+            raise ValueError("FrozenAdamSync's eps must be > 0 (the weight is sqrt(v) + eps).")
 
     def learning_rate_at(self, count: jax.Array) -> Any:
         return _checks.evaluate(self.learning_rate, count)
@@ -82,7 +86,12 @@ class FrozenAdamSync(local_steps.ParamsAverage):
             return None
         freeze = getattr(self.variance_policy, "freeze_step", None)
         static = _checks.is_static_number(start_step) and _checks.is_static_number(freeze)
-        if freeze is None or (static and start_step < freeze):
+        if freeze is None:
+            raise ValueError(
+                "FrozenAdamSync needs the inner transform's variance_policy (for its freeze "
+                "step): FrozenAdamSync(learning_rate, eps, variance_policy)."
+            )
+        if static and start_step < freeze:
             raise ValueError(
                 f"FrozenAdamSync borrows the scheduled mean's error buffers, which are idle only "
                 f"after the variance freeze (step {freeze}); local_step_sync's start_step "
@@ -162,6 +171,10 @@ def scale_by_zero_one_adam(
     comm = Comm.of(axis_name, fast_axis_name, num_workers, collective, mask)
     variance_policy = variance_policy or policies.VarianceDoubling()
     local_step_policy = local_step_policy or policies.LocalStepDoubling()
+    _checks.check_variance_policy(variance_policy)
+    _checks.check_policy(
+        "local_step_policy", local_step_policy, "is_sync_step", "ozo.LocalStepDoubling(16, 16)"
+    )
     steps = [
         scheduled_mean_over(comm, variance_policy),
         scale_by_frozen_variance_adam(b1, b2, eps, variance_policy, axis_name=comm.axes),

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_zero_one.core import _checks, _graph
 from optax_zero_one.core.flat import FlatTree
@@ -82,6 +83,13 @@ def unreplicate(tree: Any, worker: int | None = None) -> Any:
     """
 
     def one(x: Any) -> Any:
+        if np.ndim(x) == 0:
+            raise ValueError(
+                "unreplicate needs the worker layout (a leading worker axis on every leaf); got "
+                "a scalar leaf. Pass the tree ozo.replicate or the mapped step made."
+            )
+        if worker is not None and not -len(x) <= worker < len(x):
+            raise ValueError(f"worker {worker} is out of range: the tree holds {len(x)} workers.")
         rows, data = _addressable_rows(x)
         if worker is None:
             return data[0]
