@@ -41,6 +41,44 @@ def layout(per_worker):
             range(len(SHAPES))]  # fmt: skip
 
 
+def _dispatched(tx, schedule, **kwargs):
+    """``ozo.dispatch_by_kind`` over vmapped workers of a step ``(p, s, g) -> (p, s)``."""
+
+    def compile_kind(kind):
+        def step(p, s, g):
+            u, s = tx.update(g, s, p, step_kind=kind)
+            return optax.apply_updates(p, u), s
+
+        return jax.jit(jax.vmap(step, axis_name=AXIS))
+
+    return ozo.dispatch_by_kind(compile_kind, schedule, **kwargs)
+
+
+def test_a_float_sync_run_that_trains_apart_is_caught_where_the_params_are_named():
+    """A float-sync DiLoCo keeps no error buffers, so its state records no worker count, and
+    the dispatcher did not compare its workers: params built apart trained apart for good (a
+    new-user trial). With params_index it knows the leading axis is the workers' and stops the
+    run; given a schedule that syncs too soon it names the schedule, not a wrapper."""
+    tx = ozo.diloco(optax.adamw(1e-2), optax.sgd(0.7), 4, AXIS, collective="float")
+    grads = {"w": jnp.ones((2, 3))}
+    apart = {"w": jnp.asarray([[0.0] * 3, [0.5] * 3])}
+    run = _dispatched(tx, ozo.diloco_schedule(4), params_index=0)
+    params, state = apart, jax.vmap(tx.init, axis_name=AXIS)(apart)
+    with pytest.raises(ValueError, match="The workers train apart"):
+        for _ in range(16):
+            params, state = run(params, state, grads)
+    # the same params on both workers, each its own gradient, and a schedule of H = 2 for an
+    # optimizer of H = 4: the first "sync" is refused and the params are apart after it
+    run = _dispatched(tx, ozo.diloco_schedule(2), params_index=0)
+    params = {"w": jnp.zeros((2, 3))}
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    own = {"w": jnp.asarray([[1.0] * 3, [-2.0] * 3])}
+    with pytest.raises(ValueError, match="the schedule given to the dispatcher is not the"):
+        for _ in range(16):
+            params, state = run(params, state, own)
+        run.settle()
+
+
 def nesterov():
     return optax.sgd(OUTER_LR, momentum=MOMENTUM, nesterov=True)
 
@@ -369,6 +407,18 @@ def test_muloco_shape_muon_inside_one_bit_sync():
     start = loss(params)
     x, state = train(stepper(tx, n), x, state, prob, 1, steps, agree_after_syncs)
     assert loss(worker_views(x)[0]) < 0.8 * start  # measured: 88.5 -> 64.4 in 16 steps
+
+
+@pytest.mark.parametrize("inner", ["muon", "adafactor"])
+def test_flatten_refuses_an_inner_transform_that_reads_leaf_shapes(inner):
+    """Muon and Adafactor on the one flat buffer compute something else: a flattened MuLoCo
+    diverged without a word (a new-user trial; the docs said not to). Refused at init."""
+    make = {"muon": lambda: optax.contrib.muon(0.02), "adafactor": lambda: optax.adafactor(0.01)}
+    tx = ozo.flatten(ozo.diloco(make[inner](), nesterov(), H, AXIS), AXIS)
+    with pytest.raises(ValueError, match="read each leaf's own shape"):
+        jax.vmap(tx.init, axis_name=AXIS)({"w": jnp.zeros((2, 8, 4))})
+    flat_adamw = ozo.flatten(ozo.diloco(optax.adamw(1e-3), nesterov(), H, AXIS), AXIS)
+    jax.vmap(flat_adamw.init, axis_name=AXIS)({"w": jnp.zeros((2, 8, 4))})  # fine
 
 
 def test_bad_arguments_are_refused_at_construction():

@@ -52,7 +52,8 @@ def diloco(
     Args:
       inner: each worker's optimizer (e.g. ``optax.adamw(...)``, ``optax.contrib.muon(...)``).
       outer: the optimizer of the synchronised point, fed ``delta`` as its gradient (the
-        paper's: ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
+        paper's: ``optax.sgd(0.7, momentum=0.9, nesterov=True)``). Its count, and so any
+        schedule it holds, advances once per sync: size a schedule in syncs (steps / ``H``).
       sync_every: ``H``, the inner steps per outer step; ``>= 1``.
       axis_name: the worker axis, or ``None`` for one worker.
       collective: how ``delta`` is averaged: ``"float"`` (exact float32, ~32 bits per element
@@ -64,7 +65,9 @@ def diloco(
         ``optax.chain(ozo.scheduled_mean(axis_name, ozo.FullPrecisionWarmup(start_step),
         compressed_steps=False), optax.adamw(...))``;
         ``0``: local from the start.
-      mask: optional tree of 0/1 like the params, multiplying the averaged delta.
+      mask: optional tree of 0/1 like the params, multiplying the averaged delta. Where it is
+        0 the synchronised point never moves and every sync puts the workers back on it: those
+        elements keep their initial values (the mask does not make them local-only).
       num_workers: needed only when ``init`` runs outside the mapped context.
       fast_axis_name: the axis inside a node: syncs reduce over it exactly first
         (``docs/hierarchical.md``).

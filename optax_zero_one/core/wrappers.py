@@ -106,6 +106,27 @@ def flatten(
     return flatten_over(inner, comm)
 
 
+# optax states of transforms that read each leaf's own shape (Muon's orthogonalised matrices,
+# Adafactor's factored moments): on one flat buffer they compute something else, silently
+_SHAPE_READERS = tuple(
+    cls
+    for cls in (getattr(optax.contrib, "MuonState", None), getattr(optax, "FactoredState", None))
+    if cls is not None
+)
+
+
+def _refuse_shape_readers(inner_state: Any) -> None:
+    found = _graph.nodes_of(inner_state, _SHAPE_READERS) if _SHAPE_READERS else []
+    if found:
+        raise ValueError(
+            f"flatten runs its inner transform on one flat buffer, but the inner transform "
+            f"holds a {type(found[0]).__name__}: optax.contrib.muon and optax.adafactor read "
+            "each leaf's own shape, and on the flat buffer they compute something else (a "
+            "MuLoCo run diverged). Keep them outside flatten, e.g. ozo.diloco(optax.contrib."
+            "muon(...), outer, sync_every, axis_name) unflattened."
+        )
+
+
 def flatten_over(
     inner: optax.GradientTransformation, comm: Comm
 ) -> optax.GradientTransformationExtraArgs:
@@ -118,6 +139,7 @@ def flatten_over(
         workers = comm.init_workers(params)
         layout = Layout.of(params, workers)
         inner_state = inner.init(to_flat(params, layout))
+        _refuse_shape_readers(inner_state)
         if _checks.is_placeholder(params):
             inner_state = _flat_buffers_as_leaves(inner_state)
         state = FlattenState(leaf_offsets(layout), inner_state)

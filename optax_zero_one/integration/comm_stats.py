@@ -435,12 +435,13 @@ def comm_stats(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommStats:
       (1, 4096.0)
     """
     if isinstance(fn, dispatch.KindDispatcher):
-        names = ", ".join(repr(k.name) for k in fn.schedule.kinds)
+        names = ", ".join(repr(k.name) for k in fn.schedule.kinds_from(1))
         raise ValueError(
             "comm_stats reports one compiled program, and a step dispatched by kind runs one "
             f"per kind ({names}). Pass the program of one kind, e.g. "
             "ozo.comm_stats(dp.jit(functools.partial(step, step_kind=kind)), *args) with kind "
-            "from schedule.kinds (or your compile_kind(kind) for ozo.dispatch_by_kind)."
+            "from schedule.kinds_from(1), the kinds a run meets (or your compile_kind(kind) "
+            "for ozo.dispatch_by_kind)."
         )
     arrays = (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic)
     static = {

@@ -517,18 +517,44 @@ class KindDispatcher:
             counts.copy_to_host_async()
             if not self._compared and not kind.phase_a:  # once: local steps have begun
                 self._compared = True
-                check_workers_agree(out[self._state_index], counter, self.step, self._counted)
+                # the leading axis is the workers' where dp.jit says so, or where the step
+                # returns params in the worker layout (params_index): also for a state without
+                # flat buffers (a float-sync diloco), whose layout records no worker count
+                known = self._counted or self._params_index is not None
+                check_workers_agree(out[self._state_index], counter, self.step, known)
         if self._params_index is not None and not self._params_compared:
             # once, at the first sync after a local step (the workers apart before it): a sync
             # lands every worker on the same point
             if kind.sync and self._after_local:
                 self._params_compared = True
-                check_params_agree(out[self._params_index], counter, self.step)
+                try:
+                    check_params_agree(out[self._params_index], counter, self.step)
+                except ValueError as apart:
+                    self._explain(out[self._state_index], counter, refused, kind, apart)
+                    raise
             self._after_local = self._after_local or not (kind.phase_a or kind.sync)
         self._pending.append(_Pending(self.step, kind, counts, checked))
         self._last_counter, self._last_refused = counter, refused
         self.step += 1
         return out
+
+    def _explain(
+        self, state: Any, counter: Any, refused: list, kind: Any, found: Exception
+    ) -> None:
+        """Raises the cause of ``found`` (params apart after a sync) where it is not a wrapper
+        after the optimizer: a refused hint (the sync did not run: the schedule is not the
+        optimizer's), or synchronised points that differ (the workers started apart)."""
+        check_workers_agree(state, counter, self.step, True)
+        counts = np.asarray(_host_counts(counter, refused))
+        if np.any(counts[1::2] > 0):
+            raise ValueError(
+                f"The optimizer state refused the {kind.name!r} program of step {self.step} (and "
+                "the workers' params are apart after it, as a sync that did not run leaves "
+                "them): the schedule given to the dispatcher is not the optimizer's. Build it "
+                "from the optimizer's own arguments: ozo.diloco_schedule(sync_every, "
+                "start_step) for diloco, ozo.zero_one_schedule(...) for zero_one_adam, "
+                "ozo.local_step_schedule(policy, start_step) for local_step_sync."
+            ) from found
 
     def _check_results(self, out: Any) -> None:
         """Raises ``ValueError`` where ``state_index`` or ``params_index`` does not name the
