@@ -544,7 +544,8 @@ class KindDispatcher:
         """Raises the cause of ``found`` (params apart after a sync) where it is not a wrapper
         after the optimizer: a refused hint (the sync did not run: the schedule is not the
         optimizer's), or synchronised points that differ (the workers started apart)."""
-        check_workers_agree(state, counter, self.step, True)
+        # this process's workers only: the other processes may have found nothing to explain
+        check_workers_agree(state, counter, self.step, True, across_processes=False)
         counts = np.asarray(_host_counts(counter, refused))
         if np.any(counts[1::2] > 0):
             raise ValueError(
@@ -781,7 +782,11 @@ def _worker_leaves(tree: Any, counter: Any) -> list[tuple[Any, jax.Array]]:
 
 @outside_user_mesh
 def check_workers_agree(
-    state: Any, counter: Any, step: int | None = None, worker_axis: bool = False
+    state: Any,
+    counter: Any,
+    step: int | None = None,
+    worker_axis: bool = False,
+    across_processes: bool = True,
 ) -> None:
     """Raises ``ValueError`` if the values every worker must hold alike (the ``SHARED`` fields
     of the states in ``state``: ``local_step_sync``'s last synchronised point) differ between
@@ -797,8 +802,9 @@ def check_workers_agree(
     nothing to compare). Whether that leading axis is the workers' (and not, say, a ``vmap``
     over independent one-worker models) is read from the state's flat layouts, which record
     the worker count; without one, only where the caller knows it (``worker_axis``:
-    ``dp.jit``).
-    """
+    ``dp.jit``, or a step whose params are named). With several processes the workers of
+    other processes are compared too (one small all-gather: every process must make this
+    call, unless ``across_processes=False``)."""
     layout = flat.find_layout(state)
     if (layout.num_workers if layout is not None else 2 if worker_axis else 1) < 2:
         return
@@ -809,7 +815,8 @@ def check_workers_agree(
     ]
     # first the processes' digests (every process takes part before any can raise), then the
     # workers this process holds, then those of other processes
-    apart = _processes_apart(entries)
+    # (across_processes=False where not every process makes this call: it would wait for them)
+    apart = _processes_apart(entries) if across_processes else None
     at = "" if step is None else f" at step {step}"
     for name, _, samples in entries:
         for found in samples.values():
