@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import optax_zero_one as ozo
-from optax_zero_one.core import _cut
+from optax_zero_one.core import _cut, _graph
 
 ROWS, COLS = 2, 40
 CUTS = [(0, 8), (8, 20), (28, 12)]  # (first column, width) of three "leaves"
@@ -192,3 +192,11 @@ def test_a_nested_call_with_two_outputs_or_a_buffer_constant_is_not_replayed():
         want, _ = whole_then_cut(fn, (m, v))
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_offsets_past_int32_are_an_error_not_a_wrap():
+    """Column offsets were cast to int32 unchecked: past 2**31 - 1 they wrapped negative, and a
+    slice clamps a negative start to 0 (a later leaf would read the first leaf's columns)."""
+    np.testing.assert_array_equal(_graph.int32_starts([0, 2**31 - 1]), [0, 2**31 - 1])
+    with pytest.raises(ValueError, match="past the int32 offsets"):
+        _graph.int32_starts([0, 2**31])

@@ -421,6 +421,20 @@ def test_flatten_refuses_an_inner_transform_that_reads_leaf_shapes(inner):
     jax.vmap(flat_adamw.init, axis_name=AXIS)({"w": jnp.zeros((2, 8, 4))})  # fine
 
 
+def test_an_inner_named_chain_keeps_its_state_structure():
+    """optax.named_chain's state is an OrderedDict: the restore of a skipped step made it a
+    dict, and every sync failed with a pytree-structure error (a review)."""
+    inner = optax.named_chain(("adam", optax.scale_by_adam()), ("lr", optax.scale(-1e-2)))
+    tx = ozo.diloco(inner, optax.sgd(0.7), 3, AXIS)
+    params = {"w": jnp.ones((2, 4))}
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    schedule = ozo.diloco_schedule(3)
+    for kind in (None, schedule.kind(1), schedule.kind(3)):
+        step = jax.vmap(lambda g, s, p, k=kind: tx.update(g, s, p, step_kind=k), axis_name=AXIS)
+        _, after = jax.jit(step)(params, state, params)
+        assert jax.tree.structure(after) == jax.tree.structure(state), kind
+
+
 def test_bad_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="outer optimizer"):
         ozo.diloco(optax.adamw(1e-3), None, 50, AXIS)

@@ -188,7 +188,7 @@ def cut_offsets(starts: np.ndarray) -> list:
     0.74, all kinds compiled at 100 leaves in 11.4-12.1 s against 15.9-16.1 s; so they are the
     default (TPU not measured). Never batched either way (``flatten``).
     """
-    starts = np.asarray(starts, np.int64).astype(np.int32).reshape(-1)
+    starts = int32_starts(starts)
     if starts.size == 0:
         return []
 
@@ -480,13 +480,32 @@ def _restore(ok: Any, new: Any, old: Any, owned: bool) -> Any:
     if isinstance(new, tuple | list):
         return type(new)(_restore(ok, n, o, owned) for n, o in zip(new, old, strict=True))
     if isinstance(new, dict):
-        return {k: _restore(ok, v, old[k], owned) for k, v in new.items()}
+        out = new.copy()  # the mapping's own type (optax.named_chain's state: an OrderedDict)
+        for k, v in new.items():
+            out[k] = _restore(ok, v, old[k], owned)
+        return out
     return restore_scalars(ok, new, old) if owned else _whole(ok, new, old)
 
 
 def _whole(ok: Any, new: Any, old: Any) -> Any:
     """``new`` where ``ok``, else ``old`` in ``new``'s dtypes, every leaf."""
     return keep_if(ok, new, jax.tree.map(lambda n, o: jnp.asarray(o, jnp.result_type(n)), new, old))
+
+
+def int32_starts(starts: Any) -> np.ndarray:
+    """Column offsets as int32 (what the cuts index with), or a clear error where one does not
+    fit: cast unchecked it wrapped negative, and a slice clamps a negative start to 0, so a
+    later leaf would have read the first leaf's columns."""
+    starts = np.asarray(starts, np.int64).reshape(-1)
+    if starts.size and int(starts.max()) > np.iinfo(np.int32).max:
+        raise ValueError(
+            f"A worker's row of the flat buffer reaches column {int(starts.max()):,}, past the "
+            "int32 offsets the flat buffers are cut with (2**31 - 1, ~2.1B parameters per "
+            "worker row). Use more workers (each row is 1/N of the tree), or flatten parts of "
+            "the tree apart (ozo.flatten around the optimizer of each part, e.g. under "
+            "optax.multi_transform)."
+        )
+    return starts.astype(np.int32)
 
 
 def restore_scalars(ok: Any, new: Any, old: Any) -> Any:

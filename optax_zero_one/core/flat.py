@@ -404,7 +404,7 @@ def zeros(layout: Layout, dtype: Any = jnp.float32) -> FlatTree:
 def leaf_offsets(layout: Layout) -> jax.Array:
     """The first column of each leaf, int32 ``(leaves,)`` (:func:`flatten` keeps them in its
     state)."""
-    return jnp.asarray(np.asarray(layout.starts, np.int64).astype(np.int32).reshape(-1))
+    return jnp.asarray(_graph.int32_starts(layout.starts))
 
 
 def cut_leaves(

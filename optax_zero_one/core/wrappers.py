@@ -78,9 +78,13 @@ def flatten(
     built on it) reads the leaf boundaries from the layout, so per-leaf scales and padding are
     exactly those of the unflattened tree. What changes is the program: a handful of operations
     on a few large buffers, whatever the number of leaves. A transform that looks at a leaf's
-    shape or norm (``optax.contrib.muon``, ``optax.adafactor``, ``optax.lamb``'s trust ratios,
-    ``optax.clip_by_block_rms``) sees one flat buffer instead and computes something else,
-    without an error: keep such transforms outside ``flatten``. So is one that writes the
+    shape or norm (``optax.lamb``'s trust ratios, ``optax.clip_by_block_rms``, a callable mask
+    such as ``optax.adamw(..., mask=lambda p: ...)``, which receives the flat buffer) sees one
+    flat buffer instead and computes something else, without an error; a mask or label *tree*
+    (``optax.masked``, ``optax.multi_transform``, ``adamw(mask=tree)``) fails with optax's
+    pytree-structure error; ``optax.contrib.muon`` and ``optax.adafactor`` are refused at
+    ``init``. Keep all of these outside ``flatten`` (``flatten`` the optimizer inside each part
+    of a ``multi_transform``, not around it). So is one that writes the
     layout's zero padding (``optax.add_noise``) before a norm over the buffer (a global-norm
     clip then counts the noise there too), and ``jax.grad`` through a square root of a
     zero second moment (Adam's, as in plain optax at an exact zero) is NaN at the padding,
