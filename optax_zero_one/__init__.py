@@ -72,7 +72,11 @@ from optax_zero_one.core.policies import (
 from optax_zero_one.core.scheduled_mean import ScheduledMeanState, scheduled_mean
 from optax_zero_one.core.wrappers import flatten, skip_not_finite
 from optax_zero_one.core.zero_one_adam import FrozenAdamSync, scale_by_zero_one_adam, zero_one_adam
-from optax_zero_one.integration.checkpoint import check_worker_count, reset_compression
+from optax_zero_one.integration.checkpoint import (
+    check_worker_count,
+    reset_compression,
+    worker_count,
+)
 from optax_zero_one.integration.comm_stats import comm_stats
 from optax_zero_one.integration.data_parallel import DataParallel, data_parallel
 from optax_zero_one.integration.deepspeed import from_deepspeed_config
@@ -90,6 +94,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "check_worker_count",
+    "worker_count",
     "comm_stats",
     "data_parallel",
     "DataParallel",

@@ -192,6 +192,10 @@ def test_worker_count_and_reset_errors():
     ozo.check_worker_count((ozo.replicate(params, 4), state), 4)
     ozo.check_worker_count(jax.eval_shape(lambda: state), 4)  # shapes alone
     ozo.check_worker_count({}, 3)  # nothing to check
+    # the count itself, public as the docstrings say; NumPy integers as the optimizers take them
+    assert ozo.worker_count(state) == 4
+    hier = ozo.onebit_mean("n", fast_axis_name="l", num_workers=(np.int64(2), np.int64(2)))
+    ozo.check_worker_count(ozo.replicate(hier.init(params), 4), (np.int64(2), np.int64(2)))
 
 
 @pytest.mark.parametrize("workers", [1, 4])

@@ -114,12 +114,17 @@ def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
     pair = isinstance(num_workers, tuple | list)
     if pair and not (
         len(num_workers) == 2
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in num_workers)
+        and all(
+            isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 1
+            for n in num_workers
+        )
     ):
         raise ValueError(
             f"num_workers must be an int or the pair (nodes, per_node) of a hierarchical run, "
             f"got {num_workers!r}."
         )
+    if pair:
+        num_workers = (int(num_workers[0]), int(num_workers[1]))
     if not jax.tree.leaves(_items(tree)):
         return
     saved = worker_count(tree)
