@@ -194,8 +194,20 @@ def test_worker_count_and_reset_errors():
     ozo.check_worker_count({}, 3)  # nothing to check
     # the count itself, public as the docstrings say; NumPy integers as the optimizers take them
     assert ozo.worker_count(state) == 4
-    hier = ozo.onebit_mean("n", fast_axis_name="l", num_workers=(np.int64(2), np.int64(2)))
-    ozo.check_worker_count(ozo.replicate(hier.init(params), 4), (np.int64(2), np.int64(2)))
+    hier = ozo.onebit_mean("n", fast_axis_name="l", num_workers=(np.int64(2), np.int64(4)))
+    saved = ozo.replicate(hier.init(params), 8)
+    ozo.check_worker_count(saved, (np.int64(2), np.int64(4)))
+    # a flat run of 8 compresses over 8 "nodes": the buffers of 2 do not fit (it passed, and
+    # the restore failed); (8, 1) is the same flat optimizer and is refused alike
+    for flat in (8, (8, 1)):
+        with pytest.raises(ValueError, match="in 2 nodes of 4, but this run has 8 nodes of 1"):
+            ozo.check_worker_count(saved, flat)
+    # dp.optimizer's layout puts a model-shard axis after the workers': (8, M, rows, C); the
+    # rows were read from that axis, so a hierarchical dp checkpoint was refused for its own split
+    sharded = jax.tree.map(lambda x: x[:, None], saved)
+    ozo.check_worker_count(sharded, (2, 4))
+    with pytest.raises(ValueError, match="in 2 nodes of 4"):
+        ozo.check_worker_count(sharded, (4, 2))
 
 
 @pytest.mark.parametrize("workers", [1, 4])

@@ -130,12 +130,13 @@ def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
     saved = worker_count(tree)
     total = num_workers[0] * num_workers[1] if pair else num_workers
     workers_ = lambda n: f"{n} worker" + ("s" if n != 1 else "")  # noqa: E731
-    if saved == total and pair:
+    if saved == total:
         nodes = _saved_nodes(tree)
-        if nodes is not None and nodes != num_workers[0]:
+        want = num_workers[0] if pair else total  # a flat run: as many compressing nodes
+        if nodes is not None and nodes != want:
             raise ValueError(
                 f"This state was saved by {saved} workers in {nodes} nodes of {saved // nodes}, "
-                f"but this run has {num_workers[0]} nodes of {num_workers[1]}. The error-feedback "
+                f"but this run has {want} nodes of {total // want}. The error-feedback "
                 "buffers are sized per node, so they cannot be restored into another split (do "
                 "not restore with strict=False: the buffers would be padded or cut). Resume "
                 f"with {nodes} nodes for a bitwise-exact continuation, or restore it for that "
@@ -160,7 +161,7 @@ def _saved_nodes(tree: Any) -> int | None:
     for: the rows of each worker's ``worker_error`` buffer (``OnebitMeanState``'s field, found
     by name, as a checkpoint's metadata has no classes); ``None`` without such a buffer."""
     rows = {
-        tuple(getattr(leaf, "shape", np.shape(leaf)))[1]
+        tuple(getattr(leaf, "shape", np.shape(leaf)))[-2]  # (workers, [model shards,] rows, C)
         for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree))
         if "worker_error" in jax.tree_util.keystr(path)
         and len(tuple(getattr(leaf, "shape", np.shape(leaf)))) >= 3
