@@ -149,3 +149,22 @@ def test_a_subprocess_of_a_launched_process_does_not_join_the_job():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stdout.split() == ["1"], result.stderr[-2000:]
+
+
+def test_a_wrapper_that_forks_its_command_runs_the_job():
+    """Each process dies with the launcher; it checked that by its parent, which a wrapper that
+    forks (coreutils timeout, sudo, strace -f) is not: every process exited at once."""
+    import io
+
+    out = io.StringIO()
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    status = launch.launch(
+        "support.jobs.launch_plain_output",
+        processes=2,
+        wrapper=("timeout", "100"),
+        timeout=90,
+        out=out,
+        env=env,
+    )
+    assert status == 0, out.getvalue()[-3000:]
+    assert "[p1] line 19999" in out.getvalue()

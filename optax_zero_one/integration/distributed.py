@@ -199,7 +199,7 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = Non
                 np.shape(x),
                 sharding,
                 lambda index: np.asarray(x[index]),
-                dtype=np.result_type(x),  # a process with no device of the mesh reads none
+                dtype=_dtype_of(x),  # a process with no device of the mesh reads none
             ),
             values,
         )
@@ -222,11 +222,15 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = Non
         def block(index: tuple) -> np.ndarray:
             return np.stack([np.asarray(leaves_of(i)[j]) for i in range(*index[0].indices(n))])
 
-        return jax.make_array_from_callback(
-            shape, sharding, block, dtype=np.result_type(examples[j])
-        )
+        return jax.make_array_from_callback(shape, sharding, block, dtype=_dtype_of(examples[j]))
 
     return jax.tree.unflatten(treedef, [leaf(j) for j in range(len(examples))])
+
+
+def _dtype_of(x: Any) -> np.dtype:
+    """The dtype JAX gives ``x`` (canonical: float64 is float32 without x64), without the
+    warnings ``np.result_type`` of a ``jax.Array`` or an explicit float64 request raise."""
+    return jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
 
 
 def _addressable_rows(x: Any) -> tuple[list[int], np.ndarray]:

@@ -281,7 +281,8 @@ class _Job:
         after = "".join(f", then process {i} (status {c})" for _, i, c in failures[1:])
         self.say(f"[launch] process {first} failed first, with status {code}{after}; "
                  "all processes stopped.")  # fmt: skip
-        self._name_finished(failure_dir)
+        if not os.path.exists(os.path.join(failure_dir, str(first))):
+            self._name_finished(failure_dir)  # it did not fail in its module: it may have waited
         self._say_tail(first)
         return code if code > 0 else 128 - code
 
@@ -298,7 +299,7 @@ class _Job:
 
     def _say_tail(self, i: int) -> None:
         self.say(f"[launch] last lines of process {i}:")
-        for line in self.tails[i]:
+        for line in list(self.tails[i]):  # a snapshot: its reader thread may still append
             self.say(f"[launch]   | {line}")
 
     def stop(self) -> None:
@@ -384,8 +385,14 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if str(os.getppid()) != launcher:  # the launcher was gone before the line above
-            os._exit(1)
+        if str(os.getppid()) != launcher:  # gone, or a wrapper that forks (timeout, sudo)
+            try:
+                os.kill(int(launcher), 0)
+            except ProcessLookupError:
+                print("[launch] the launcher exited before this process started", file=sys.stderr)
+                _exit_now(1)
+            except PermissionError:
+                pass  # alive, another user's
 
 
 def _check_joined(module: str) -> None:
