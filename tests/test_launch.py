@@ -15,26 +15,23 @@ from optax_zero_one.integration import distributed, launch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_failing_process_stops_the_job_and_its_error_is_shown():
-    env = dict(os.environ, PJRT_NPROC="2", PYTHONPATH=str(ROOT / "tests"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "optax_zero_one.integration.launch",
-        "--processes",
-        "2",
-        "--timeout",
-        "200",
-    ]
-    started = time.monotonic()
-    result = subprocess.run(
-        [*cmd, "--", "support.jobs.launch_failing_worker"],
+def _launch_two(module: str, timeout: int, wait: int, **env: str) -> subprocess.CompletedProcess:
+    """``module`` (from tests/) on 2 processes through the launcher's command line, stopped by
+    it after ``timeout`` s; this test waits ``wait`` s for the launcher itself."""
+    cmd = [sys.executable, "-m", "optax_zero_one.integration.launch", "--processes", "2"]
+    return subprocess.run(
+        [*cmd, "--timeout", str(timeout), "--", module],
         cwd=ROOT,
-        env=env,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "tests"), **env),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=wait,
     )
+
+
+def test_a_failing_process_stops_the_job_and_its_error_is_shown():
+    started = time.monotonic()
+    result = _launch_two("support.jobs.launch_failing_worker", 200, 240, PJRT_NPROC="2")
     elapsed = time.monotonic() - started
     out = result.stdout
     assert result.returncode == 1, out[-3000:]
@@ -48,16 +45,7 @@ def test_a_failing_process_stops_the_job_and_its_error_is_shown():
 def test_a_module_that_never_joins_the_job_fails_it():
     """Each process of a module without ``initialize_from_env`` runs as a job of one and
     succeeds alone; the launcher reported success. Now each process fails at its end."""
-    env = dict(os.environ, PJRT_NPROC="2", PYTHONPATH=str(ROOT / "tests"))
-    cmd = [sys.executable, "-m", "optax_zero_one.integration.launch", "--processes", "2"]
-    result = subprocess.run(
-        [*cmd, "--timeout", "100", "--", "support.jobs.launch_unjoined_worker"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    result = _launch_two("support.jobs.launch_unjoined_worker", 100, 150, PJRT_NPROC="2")
     out = result.stdout
     assert result.returncode == 1, out[-3000:]
     assert "[p0] processes 1" in out and "[p1] processes 1" in out, out[-3000:]
@@ -94,15 +82,7 @@ def test_output_that_is_not_utf8_from_a_module_without_jax_goes_through():
     """One byte that is not UTF-8 killed the thread that forwards a process's output; the
     pipe then filled and the job hung. And a module that never ran JAX was failed as one that
     never joined the job."""
-    cmd = [sys.executable, "-m", "optax_zero_one.integration.launch", "--processes", "2"]
-    result = subprocess.run(
-        [*cmd, "--timeout", "60", "--", "support.jobs.launch_plain_output"],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT / "tests")),
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    result = _launch_two("support.jobs.launch_plain_output", 60, 100)
     out = result.stdout
     assert result.returncode == 0, out[-3000:]
     assert "[p0] caf\\xe9" in out and "[p1] line 19999" in out, out[-3000:]
