@@ -93,7 +93,7 @@ def test_the_environment_of_the_processes(monkeypatch):
     env = launch._job_env(None, processes=2, devices=8, port=1234, failure_dir="/tmp/x")
     assert env["PJRT_NPROC"] == "16" and env["JAX_NUM_CPU_DEVICES"] == "8"
     assert env["JAX_ENABLE_PREEMPTION_SERVICE"] == "false"  # it swallows the launcher's SIGTERM
-    assert env[launch.LAUNCHER_PID] == str(os.getpid())
+    assert env[distributed.LAUNCHER_PID] == str(os.getpid())
     monkeypatch.setenv("PJRT_NPROC", "64")  # more is kept
     assert launch._job_env(None, 2, 8, 1234, "/tmp/x")["PJRT_NPROC"] == "64"
 

@@ -62,11 +62,11 @@ WARMUP = StepKind("warmup", phase_a=True, variance=True)
 ONEBIT_COMPRESSED = StepKind("compressed", phase_a=False)
 
 ZERO_ONE_KINDS = (VARIANCE, COMPRESSED, LOCAL, SYNC)
+ONEBIT_KINDS = (WARMUP, ONEBIT_COMPRESSED)
 
 # The extra argument with which local_step_sync tells the library's own inner transform that the
 # gradients it passes are finite (it zeroes a worker's own non-finite gradient): no second check.
 INPUTS_FINITE = "inputs_finite"
-ONEBIT_KINDS = (WARMUP, ONEBIT_COMPRESSED)
 
 
 def check_step_kind(step_kind: Any, where: str) -> StepKind | None:

@@ -878,9 +878,10 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, 2, keys)
     for k, (i, _) in enumerate(keys):
         held = np.flatnonzero(every[:, 1, k])
-        if held.size and np.any(every[held, 0, k] != every[held[0], 0, k]):
-            other = held[every[held, 0, k] != every[held[0], 0, k]][0]
-            return entries[i][0], int(held[0]), int(other)
+        digests = every[held, 0, k]
+        differs = held[digests != digests[:1]]
+        if differs.size:
+            return entries[i][0], int(held[0]), int(differs[0])
     return None
 
 

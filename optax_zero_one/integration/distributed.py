@@ -39,6 +39,7 @@ NUM_PROCESSES = "OZO_NUM_PROCESSES"
 PROCESS_ID = "OZO_PROCESS_ID"
 FAILURE_DIR = "OZO_FAILURE_DIR"  # where a failing process notes when it failed
 LAUNCHED_PID = "OZO_LAUNCHED_PID"  # the pid of the process the launcher started (run_module)
+LAUNCHER_PID = "OZO_LAUNCHER_PID"  # the launcher's pid: the processes it starts die with it
 
 
 def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -212,9 +213,10 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = Non
 
     blocks = sharding.addressable_devices_indices_map((n,)).values()
     mine = sorted({i for index in blocks for i in range(*index[0].indices(n))})
-    first = values(mine[0] if mine else 0)  # no device of the mesh here: shapes only
+    example = mine[0] if mine else 0  # no device of the mesh here: its shapes only
+    first = values(example)
     treedef, examples = jax.tree.structure(first), jax.tree.leaves(first)
-    rows[mine[0] if mine else 0] = examples
+    rows[example] = examples
 
     def leaf(j: int) -> jax.Array:
         shape = (n, *np.shape(examples[j]))

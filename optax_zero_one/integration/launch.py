@@ -44,7 +44,6 @@ from optax_zero_one.integration import distributed
 
 HOST = "127.0.0.1"
 TAIL_LINES = 30
-LAUNCHER_PID = "OZO_LAUNCHER_PID"
 CHILD = "--child"  # first argument of a process the launcher started (see run_module)
 
 
@@ -185,7 +184,7 @@ def _job_env(
     base[distributed.COORDINATOR] = f"{HOST}:{port}"
     base[distributed.NUM_PROCESSES] = str(processes)
     base[distributed.FAILURE_DIR] = failure_dir
-    base[LAUNCHER_PID] = str(os.getpid())  # a process the launcher starts dies with it
+    base[distributed.LAUNCHER_PID] = str(os.getpid())  # a process the launcher starts dies with it
     return base
 
 
@@ -360,8 +359,7 @@ def run_module(module: str, args: Sequence[str]) -> None:
     except SystemExit as exit_:
         code = exit_.code
         if code is None or code == 0:
-            _check_joined(module)
-            _note_failure(".done")
+            _end_cleanly(module)
             return
         _note_failure()
         if not isinstance(code, int):
@@ -373,14 +371,20 @@ def run_module(module: str, args: Sequence[str]) -> None:
         traceback.print_exc()
         _exit_now(1)
     else:
-        _check_joined(module)
-        _note_failure(".done")
+        _end_cleanly(module)
+
+
+def _end_cleanly(module: str) -> None:
+    """A module that ended without error: checked that it joined the job, then noted as done
+    (the launcher names it if the others then wait for it)."""
+    _check_joined(module)
+    _note_failure(".done")
 
 
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the launcher dies (SIGKILL, SIGHUP), not run on as an
     orphan in its own session."""
-    launcher = os.environ.get(LAUNCHER_PID)
+    launcher = os.environ.get(distributed.LAUNCHER_PID)
     if sys.platform == "linux" and launcher:
         import ctypes
 
