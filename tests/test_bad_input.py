@@ -498,6 +498,13 @@ def test_learning_rate_arrays_and_injected_values_are_checked():
         )
         with pytest.raises(ValueError, match=name if name != "eps" else "eps must be"):
             tx.init({"w": jnp.zeros(3)})
+    # bfloat16 params make inject_hyperparams cast b2=0.999 to bfloat16, which is 1.0: the
+    # error names the dtype and the way out (it said only "got 1.0")
+    tx = optax.inject_hyperparams(ozo.zero_one_adam)(1e-3, b2=0.999)
+    with pytest.raises(ValueError, match=r"got 1.0 \(a bfloat16 array: .*hyperparam_dtype"):
+        tx.init({"w": jnp.zeros(3, jnp.bfloat16)})
+    tx = optax.inject_hyperparams(ozo.zero_one_adam, hyperparam_dtype=jnp.float32)(1e-3, b2=0.999)
+    tx.init({"w": jnp.zeros(3, jnp.bfloat16)})
     # a factory given for momentum_mean is named at construction (was an AttributeError)
     with pytest.raises(TypeError, match="looks like an optimizer's factory"):
         ozo.scale_by_frozen_variance_adam(momentum_mean=optax.adam)

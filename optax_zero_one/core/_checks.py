@@ -70,12 +70,19 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
     bracket = ")" if high_open else "]"
     if isinstance(value, bool | np.bool_ | str) or value is None:
         raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}.")
+    dtype = getattr(value, "dtype", None)
     value = concrete_number(value)
     if not is_static_number(value):
         return
     ok = low <= value < high if high_open else low <= value <= high
     if not ok or np.isnan(value):
-        raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}.")
+        hint = ""
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+            hint = (  # e.g. b2=0.999 injected in bfloat16 is 1.0
+                f" (a {dtype} array: it may have rounded there; pass the hyperparameter in "
+                "float32, e.g. optax.inject_hyperparams(..., hyperparam_dtype=jnp.float32))"
+            )
+        raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}{hint}.")
 
 
 def check_learning_rate(learning_rate: Any) -> None:
