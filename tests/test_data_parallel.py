@@ -467,6 +467,11 @@ def test_bad_input_is_refused_with_the_fix():
         ozo.synchronized_params(params_w, state)
     with pytest.raises(ValueError, match=r"step takes no step_kind argument.*step_kind=None"):
         dp.jit(step, schedule=SCHEDULE)  # at once, not at the first step
+    # a schedule given by position was taken as `donate` and silently ignored (a docs audit)
+    with pytest.raises(TypeError, match="positional argument"):
+        dp.jit(step, SCHEDULE)
+    with pytest.raises(TypeError, match="donate must be True or False, got 'no'"):
+        dp.jit(step, donate="no")
 
 
 @pytest.mark.parametrize("axis_name", ["model", None, "batch"])

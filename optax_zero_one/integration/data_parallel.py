@@ -405,22 +405,18 @@ class DataParallel:
 
     @typing.overload
     def jit(
-        self, step: Callable[..., Any], donate: bool = True, schedule: None = None
+        self, step: Callable[..., Any], *, donate: bool = True, schedule: None = None
     ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]: ...
 
     @typing.overload
     def jit(
-        self, step: Callable[..., Any], donate: bool = True, *, schedule: StepSchedule
-    ) -> dispatch.KindDispatcher: ...
-
-    @typing.overload
-    def jit(
-        self, step: Callable[..., Any], donate: bool, schedule: StepSchedule
+        self, step: Callable[..., Any], *, donate: bool = True, schedule: StepSchedule
     ) -> dispatch.KindDispatcher: ...
 
     def jit(
         self,
         step: Callable[..., Any],
+        *,
         donate: bool = True,
         schedule: StepSchedule | None = None,
     ) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]] | dispatch.KindDispatcher:
@@ -448,6 +444,8 @@ class DataParallel:
         reads back every 8 steps to check that the state took them. Without it, one program
         decides in the graph.
         """
+        if not isinstance(donate, bool | np.bool_):
+            raise TypeError(f"dp.jit's donate must be True or False, got {donate!r}.")
         n = self.num_workers
 
         def split(batch: Any) -> Any:
