@@ -49,8 +49,13 @@ def test_field_width_and_worker_limit():
     assert psum_mean.fields_per_word(8) == 8 and psum_mean.fields_per_word(255) == 4
     with pytest.raises(ValueError, match="at most 255 workers.*two_phase"):
         psum_mean.field_width(256)
-    with pytest.raises(ValueError, match="at most 255 workers"):
-        ozo.onebit_mean(AXIS, num_workers=256, collective="psum").init(jnp.zeros(3))
+    # a num_workers given is checked at construction (it passed until init: a docs audit)
+    for build in (
+        lambda: ozo.onebit_mean(AXIS, num_workers=256, collective="psum"),
+        lambda: ozo.zero_one_adam(1e-3, axis_name=AXIS, num_workers=300, collective="psum"),
+    ):
+        with pytest.raises(ValueError, match="at most 255 workers"):
+            build()
     tx = ozo.onebit_mean(AXIS, collective="psum")  # bound axis of 256: rejected while tracing
     state = init_errors(Layout.of(jnp.zeros(3), 2), "psum")
     with pytest.raises(ValueError, match="at most 255 workers"):

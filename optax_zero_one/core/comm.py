@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from optax_zero_one.core import _checks
+from optax_zero_one.core import _checks, psum_mean
 from optax_zero_one.core._checks import Axes
 from optax_zero_one.core.flat import FlatTree
 
@@ -78,6 +78,8 @@ class Comm:
             num_workers = tuple(int(n) for n in num_workers)
         elif num_workers is not None:
             num_workers = int(num_workers)  # a NumPy integer too
+            if collective == "psum":  # its limit at construction, where it is known (else init)
+                psum_mean.check_num_workers(num_workers)
         return cls(axes, num_workers, collective, mask)
 
     @property
