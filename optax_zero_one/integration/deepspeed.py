@@ -213,7 +213,7 @@ def _parse_section(config: Any) -> tuple[str, Mapping[str, Any]]:
 def _unknown_key_message(kind: str, key: str, supported: tuple[str, ...]) -> str:
     hints = {
         ("ZeroOneAdam", "freeze_step"): " 0/1 Adam has no freeze_step; its closest analogue "
-        "is var_freeze_step, the last step that updates the variance (usually the end of the "
+        "is var_freeze_step, the step after which the variance is frozen (usually the end of the "
         "learning-rate warm-up; 1-bit Adam's freeze_step is usually later).",
         ("OneBitAdam", "var_freeze_step"): " 1-bit Adam's analogue is freeze_step, the number "
         "of full-precision warm-up steps.",
