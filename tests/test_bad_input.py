@@ -111,6 +111,14 @@ def test_non_float_gradients_at_update(name, dtype):
         update_once(ADAMS[name](), grads)
 
 
+def test_a_bare_array_is_named_root_in_errors():
+    # a tree that is one array has an empty key path: the errors said "params leaf  has ..."
+    with pytest.raises(ValueError, match=r"params leaf <root> has dtype int32"):
+        ozo.zero_one_adam(1e-3, axis_name=AXIS, num_workers=N).init(jnp.zeros(5, jnp.int32))
+    with pytest.raises(ValueError, match=r"updates leaf <root> has shape \(6,\)"):
+        update_once(ozo.zero_one_adam(1e-3, axis_name=AXIS), jnp.ones(6), params=jnp.zeros(5))
+
+
 def test_onebit_mean_complex_input_at_update():
     grads = {"a": jnp.ones((3, 2), jnp.complex64), "b": jnp.ones((5,))}
     with pytest.raises(ValueError, match="complex64"):

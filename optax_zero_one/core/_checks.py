@@ -35,6 +35,11 @@ def concrete_number(value: Any) -> Any:
     return value
 
 
+def leaf_name(path: Any) -> str:
+    """A key path as errors print it: ``<root>`` for a tree that is one bare array."""
+    return jax.tree_util.keystr(path) or "<root>"
+
+
 INT32_MAX = 2**31 - 1
 """The largest step number the optimizers' int32 counters hold."""
 
@@ -362,7 +367,7 @@ def check_float_leaves(tree: Any, what: str) -> None:
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(
-                f"{what} leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only real "
+                f"{what} leaf {leaf_name(path)} has dtype {dtype}; only real "
                 "floating-point leaves (float32, bfloat16, float16, float64) can be compressed "
                 "and optimised. Keep integer/complex arrays out of the optimised tree (e.g. "
                 "with optax.masked or a separate partition)."
@@ -395,7 +400,7 @@ def check_tree_matches(tree: Any, reference: Any, what: str, reference_what: str
     ):
         if jnp.shape(a) != jnp.shape(b):
             raise ValueError(
-                f"{what} leaf {jax.tree_util.keystr(path[0])} has shape {jnp.shape(a)}, but "
+                f"{what} leaf {leaf_name(path[0])} has shape {jnp.shape(a)}, but "
                 f"{reference_what} has {jnp.shape(b)} there."
             )
         # A complex or integer value would be cast to the float buffers silently (dropping the
@@ -403,7 +408,7 @@ def check_tree_matches(tree: Any, reference: Any, what: str, reference_what: str
         got_dtype, want_dtype = jnp.result_type(a), jnp.result_type(b)
         if jnp.issubdtype(want_dtype, jnp.floating) and not jnp.issubdtype(got_dtype, jnp.floating):
             raise ValueError(
-                f"{what} leaf {jax.tree_util.keystr(path[0])} has dtype {got_dtype}, but "
+                f"{what} leaf {leaf_name(path[0])} has dtype {got_dtype}, but "
                 f"{reference_what} holds real floating-point values ({want_dtype}) there; pass "
                 "real floating-point values (float32, bfloat16, float16, float64)."
             )
@@ -422,7 +427,7 @@ def check_mask(mask: Any, params: Any) -> None:
     for path, m, p in zip(
         jax.tree_util.tree_leaves_with_path(mask), jax.tree.leaves(mask), jax.tree.leaves(params)
     ):
-        where = jax.tree_util.keystr(path[0])
+        where = leaf_name(path[0])
         if jnp.shape(m) not in ((), jnp.shape(p)):
             raise ValueError(
                 f"mask leaf {where} has shape {jnp.shape(m)}; it must be a scalar or have the "

@@ -289,7 +289,7 @@ def _leaf_name(path: tuple) -> str:
     last = path[-1] if path else None
     if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "value":
         path = path[:-1]
-    return jax.tree_util.keystr(path)
+    return _checks.leaf_name(path)
 
 
 @jax.tree_util.register_pytree_with_keys_class

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one.core import _graph
+from optax_zero_one.core import _checks, _graph
 from optax_zero_one.integration import workers
 
 
@@ -75,7 +75,7 @@ def worker_count(tree: Any) -> int:
     counts: dict[int, str] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree)):
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        counts.setdefault(shape[0], jax.tree_util.keystr(path) or "(root)")
+        counts.setdefault(shape[0], _checks.leaf_name(path))
     if not counts:
         raise ValueError("The tree holds no arrays, so it says nothing about the worker count.")
     if len(counts) > 1:

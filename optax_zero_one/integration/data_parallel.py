@@ -90,7 +90,7 @@ def _check_not_donated(params: Any, opt_state: Any) -> None:
 
 
 def _leaf_name(path: Any) -> str:
-    return jax.tree_util.keystr(path) or "<root>"
+    return _checks.leaf_name(path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_zero_one.core import _graph, flat, kinds
+from optax_zero_one.core import _checks, _graph, flat, kinds
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration.distributed import outside_user_mesh
 
@@ -689,7 +689,8 @@ class KindDispatcher:
         if self._stalled >= STALLED_WARNING and not self._warned_stalled:
             self._warned_stalled = True
             warnings.warn(
-                f"the last {self._stalled} steps (to step {window[-1].step}) were all skipped: "
+                f"the last {self._stalled} calls were all skipped (the state's step count "
+                f"stays at {int(now[0])}): "
                 "each update was not finite, so the state kept its counters and the run makes "
                 "no progress. Look at the gradients (a NaN or Inf in the loss, a learning rate "
                 "too large, fp16 overflow) and at the params, which a step can have made "
@@ -905,7 +906,7 @@ def check_params_agree(params: Any, counter: Any, step: int | None = None) -> No
                     at = "" if step is None else f" after the sync of step {step}"
                     raise ValueError(
                         f"The workers' params differ{at}: leaf "
-                        f"{jax.tree_util.keystr(path)} of worker {worker} is {gap:.3g} from "
+                        f"{_checks.leaf_name(path)} of worker {worker} is {gap:.3g} from "
                         f"worker {found[0][0]}'s, where a sync lands every worker on the same "
                         "point. Something after the optimizer changed its update (optax.scale, "
                         "clip, add_decayed_weights, contrib.reduce_on_plateau or lookahead "

@@ -170,7 +170,7 @@ def _at_anchor(params: Any, state: LocalStepSyncState) -> tuple[Any, set[str]]:
         flag = anchored.reshape(anchored.shape + (1,) * (a.ndim - anchored.ndim))
         return jnp.where(flag, a.astype(x.dtype), x)
 
-    key = jax.tree_util.keystr
+    key = _checks.leaf_name  # also the matching key: "<root>" for a bare array
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [key(path) for path, _ in flat]
     anchors = jax.tree_util.tree_leaves_with_path(anchor)
