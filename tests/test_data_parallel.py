@@ -355,6 +355,33 @@ def test_two_d_training_follows_the_one_d_run_and_eval_params_are_in_the_user_la
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
 
+def test_a_scan_over_steps_inside_the_step_on_a_model_sharded_mesh():
+    """Several optimizer steps per call, a lax.scan carrying the state, in-graph: the state out
+    of dp.optimizer was typed as not varying over the data axis (the nested per-shard program
+    drops the type), and scan refused the carry (a new-user trial). The same steps as one call
+    each."""
+    mesh = mesh_of(2)
+    dp, tx, step, params = job.setup(mesh)
+
+    def steps(p, s, xs):  # xs: (rows, steps, features), the rows split over the workers
+        def one(carry, x):
+            p, s, _ = step(*carry, x)
+            return (p, s), None
+
+        (p, s), _ = jax.lax.scan(one, (p, s), jnp.swapaxes(xs, 0, 1))
+        return p, s, None
+
+    params_w = dp.to_workers(params)
+    xs = np.stack(batches(), axis=1)
+    params_w, state, _ = dp.jit(steps)(params_w, dp.init(tx, params_w), xs)
+    assert ozo.step_count(state) == STEPS
+    one_by_one = job.train(mesh)
+    got = dp.synchronized_params(params_w, state)
+    want = one_by_one["dp"].synchronized_params(one_by_one["params_w"], one_by_one["state"])
+    for name in SPECS:
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-6)
+
+
 def test_flax_nnx_optimizer_in_the_step():
     mesh = mesh_of(2)
 

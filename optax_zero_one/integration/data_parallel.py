@@ -347,6 +347,15 @@ class DataParallel:
             if params is not None:
                 args, in_specs = (*args, jax.tree.leaves(params)), (*in_specs, specs)
             out, inner = self._per_shard(local, in_specs, (specs, stack))(*args)
+            # typed as varying over the axes their inputs varied over (the data axis): the
+            # nested program's outputs are not (check_vma=False), and a scan, loop or cond
+            # carrying the state (optax.MultiSteps) needs its type unchanged
+            out = [_graph.vary_over(o, _graph.varying_axes(v)) for o, v in zip(out, values)]
+            inner = jax.tree.map(
+                lambda new, old: _graph.vary_over(new, _graph.varying_axes(old)),
+                inner,
+                state.inner,
+            )
             return jax.tree.unflatten(treedef, out), ShardLocalState(inner)
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)
