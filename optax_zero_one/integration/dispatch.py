@@ -732,7 +732,11 @@ class KindDispatcher:
                 "arguments: ozo.zero_one_schedule(var_freeze_step=..., ...) for zero_one_adam, "
                 "ozo.onebit_schedule(freeze_step) for onebit_adam, "
                 "ozo.diloco_schedule(sync_every, start_step) for diloco, "
-                "ozo.StepSchedule(variance_policy, local_step_policy) for blocks of your own."
+                "ozo.StepSchedule(variance_policy, local_step_policy) for blocks of your own. "
+                "If the state was restored from a run with other schedule arguments, resume "
+                "with that run's: a state carries its policies' history (the sync intervals so "
+                "far, whether local steps have begun), which new arguments do not replay "
+                "(docs/reliability.md)."
             )
         self.lost += refused
         self.skipped += skipped
