@@ -82,7 +82,8 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
     ok = low <= value < high if high_open else low <= value <= high
     if not ok or np.isnan(value):
         hint = ""
-        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        narrow = dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+        if narrow and value in (low, high):  # rounding only carries a value onto a bound
             hint = (  # e.g. b2=0.999 injected in bfloat16 is 1.0
                 f" (a {dtype} array: it may have rounded there; pass the hyperparameter in "
                 "float32, e.g. optax.inject_hyperparams(..., hyperparam_dtype=jnp.float32))"

@@ -45,8 +45,8 @@ def padded_size(size: int, num_workers: int) -> int:
 
     The smallest multiple of ``8 N`` that holds ``size`` elements, so that each of the ``N``
     chunks is a whole number of bytes once packed 8 signs per byte. (DeepSpeed pads to a
-    multiple of ``N lcm(N, 8)``: the same for ``N`` = 1, 2, 4, 8, up to ``N / 8`` times more
-    padding per leaf beyond; ``docs/algorithm.md``, "Where we differ".)
+    multiple of ``N lcm(N, 8)``: the same for ``N`` = 1, 2, 4, 8, up to ``lcm(N, 8) / 8`` times
+    more padding per leaf for other ``N``; ``docs/algorithm.md``, "Where we differ".)
 
     Example:
       >>> padded_size(100, 4)
