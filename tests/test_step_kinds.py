@@ -559,6 +559,44 @@ def test_dispatch_moves_back_after_a_step_every_worker_skipped():
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "other",
+    [
+        ozo.StepSchedule(ozo.VarianceDoubling(freeze_step=20, update_scaler=2), LOCAL),
+        ozo.StepSchedule(VARIANCE, ozo.LocalStepDoubling(scaler=3, clipper=4)),
+        ozo.StepSchedule(VARIANCE, ozo.LocalStepDoubling(scaler=2, clipper=2)),
+    ],
+    ids=["later freeze", "other scaler", "other clipper"],
+)
+def test_a_state_restored_under_other_schedule_arguments_is_refused_at_once(other):
+    """A state saved in phase B and resumed with another var_freeze_step or scaler (its
+    policies' history not what the arguments replay) trained on in the graph and diverged, and
+    a dispatcher refused kinds for up to check_every + lag steps, then blamed the schedule (a
+    new-user trial). The dispatcher now compares the state's policy counters and phase with
+    its walk at the first call, before anything runs; the same schedule resumes at every
+    step."""
+    tx = zero_one()
+    params, run = params0(), _dispatched(tx)
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    saved = []
+    for k in range(1, 19):
+        params, state = run(params, state, grads_at(k))
+        saved.append((params, state))
+    again = _dispatched(tx)  # of the same schedule: takes every one (each a restore for it)
+    for p, s in reversed(saved):
+        again(p, s, grads_at(50))
+    p, s = saved[-1]  # step 18: phase B, syncs 16 and 20 apart
+    before = jax.tree.map(np.asarray, s)
+    with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
+        ozo.dispatch_by_kind(
+            lambda kind: jax.jit(
+                jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)
+            ),
+            other,
+        )(p, s, grads_at(50))
+    assert_same_bits(s, before)  # nothing ran
+
+
 def test_dispatch_warns_once_when_every_step_is_skipped():
     """A state that skips every step (each update not finite) keeps its counters and trains no
     more; a dispatched run says so once (two such traps were found in DiLoCo this session),

@@ -547,6 +547,15 @@ def shared_values(state: Any) -> list[tuple[type, Any]]:
     return _hooked(state, "SHARED")
 
 
+def walked_states(state: Any) -> list[Any]:
+    """The states in ``state`` whose class predicts fields from a host's walk of the schedule
+    (a static ``walked(local_step_policy, begun)``: :class:`~optax_zero_one.LocalStepSyncState`),
+    outermost first."""
+    return [
+        n for n in _nodes(state) if hasattr(n, "_fields") and callable(getattr(n, "walked", None))
+    ]
+
+
 def _hooked(state: Any, hook: str) -> list[tuple[type, Any]]:
     """``(state class, the field the class's ``hook`` names)`` of every state in ``state`` that
     declares ``hook``, depth first in tree order (outermost first)."""
