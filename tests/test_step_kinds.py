@@ -586,6 +586,10 @@ def test_a_state_restored_under_other_schedule_arguments_is_refused_at_once(othe
     for p, s in reversed(saved):
         again(p, s, grads_at(50))
     p, s = saved[-1]  # step 18: phase B, syncs 16 and 20 apart
+    # a loop of the user's own (in the graph, or hinted) checks once after its restore
+    ozo.check_schedule(s, SCHEDULE)
+    with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
+        ozo.check_schedule(s, other)
     before = jax.tree.map(np.asarray, s)
     with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
         ozo.dispatch_by_kind(

@@ -15,6 +15,7 @@ import dataclasses
 import threading
 from typing import Any
 
+import jax
 import numpy as np
 
 from optax_zero_one.core import _checks, _graph, policies
@@ -315,6 +316,54 @@ def check_hints(state: Any) -> None:
             "(numbered from 1), with the schedule built from the optimizer's own arguments; or "
             "let ozo.dispatch_by_kind run the loop."
         )
+
+
+def check_schedule(
+    state: Any, schedule: StepSchedule, count: int | None = None, walk: _Walk | None = None
+) -> None:
+    """Raises ``ValueError`` if ``state`` is not where ``schedule`` puts it; one small read.
+
+    A state carries its policies' history: the local-step policy's counters and whether local
+    steps have begun. A state saved by a run with other schedule arguments (another
+    ``var_freeze_step``, scaler, clipper or ``start_step``) and restored into an optimizer
+    built with new ones is not where the new policies put it; in the graph it trains on (0/1
+    Adam resumed in phase B with a later freeze diverged some 20 steps later). Call this once
+    after a restore, with the schedule of the optimizer as built now; a dispatcher
+    (:func:`~optax_zero_one.dispatch_by_kind`, ``dp.jit(..., schedule=)``) does it itself. A
+    policy without counters (:class:`~optax_zero_one.SyncEvery`) shows only a moved start.
+
+    Args:
+      state: the restored optimizer state (any layout).
+      schedule: the :class:`StepSchedule` of the optimizer as built now.
+      count: the state's step count, if already read (else read here).
+      walk: the host's walk of ``schedule`` to advance (a dispatcher's own), if any.
+    """
+    nodes = _graph.walked_states(state)
+    if not nodes or schedule.local_step_policy is None:
+        return
+    count = step_count(state) if count is None else count
+    walk = _Walk(schedule) if walk is None else walk
+    walk.kind(count + 1)  # the policies advanced through step `count`, as the optimizer did
+    begun = count > walk.freeze
+    for node in nodes:
+        for field, want in type(node).walked(walk.local, begun):
+            got, want = jax.tree.leaves(getattr(node, field)), jax.tree.leaves(want)
+            if len(got) != len(want) or any(np.size(w) != 1 for w in want):
+                continue  # a policy of another shape: nothing to compare
+            got = [first_value(g) for g in got]
+            if all(g == w for g, w in zip(got, want, strict=True)):
+                continue
+            raise ValueError(
+                f"The optimizer state at step {count} is not where this schedule puts it: its "
+                f"{type(node).__name__}.{field} is {[np.asarray(g).item() for g in got]}, the "
+                f"schedule's policies give {[np.asarray(w).item() for w in want]} (local steps "
+                f"begin after step {walk.freeze}). The state was saved by a run with other "
+                "schedule arguments (var_freeze_step, local_step_scaler, local_step_clipper; "
+                "sync_every, start_step), or the schedule is not the optimizer's. A state "
+                "carries its policies' history, which other arguments do not replay (in the "
+                "graph such a state trains on and may diverge): resume with the arguments it "
+                "was trained with (docs/reliability.md)."
+            )
 
 
 def first_values(x: Any, count: int) -> np.ndarray:

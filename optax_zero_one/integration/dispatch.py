@@ -672,39 +672,11 @@ class KindDispatcher:
             self._types = [cls for cls, _ in refused]
             self._confirmed = np.asarray(_host_counts(counter, refused))
             if int(self._confirmed[0]) + 1 != self.step:  # a first call, or a restore
-                self._check_history(state, int(self._confirmed[0]))
+                kinds.check_schedule(state, self.schedule, int(self._confirmed[0]), self._walk)
             self.step = int(self._confirmed[0]) + 1
             self._last_counter, self._last_refused = counter, refused
             self._since_check = 0
             self._compared = self._params_compared = self._after_local = False
-
-    def _check_history(self, state: Any, count: int) -> None:
-        """Raises if ``state``, at ``count`` steps, is not where this schedule's policies put it
-        (a state saved by a run with other schedule arguments): one small read, at a restore."""
-        nodes = _graph.walked_states(state)
-        if not nodes or self.schedule.local_step_policy is None:
-            return
-        self._walk.kind(count + 1)  # advanced through step `count`, as the optimizer did
-        begun = count > self._walk.freeze
-        for node in nodes:
-            for field, want in type(node).walked(self._walk.local, begun):
-                got, want = jax.tree.leaves(getattr(node, field)), jax.tree.leaves(want)
-                if len(got) != len(want) or any(np.size(w) != 1 for w in want):
-                    continue  # a policy of another shape: nothing to compare
-                got = [np.asarray(_first_shard(g)).reshape(-1)[0] for g in got]
-                if all(g == w for g, w in zip(got, want, strict=True)):
-                    continue
-                raise ValueError(
-                    f"The optimizer state at step {count} is not where this schedule puts it: "
-                    f"its {type(node).__name__}.{field} is {[g.item() for g in got]}, the "
-                    f"schedule's policies give {[np.asarray(w).item() for w in want]} (local "
-                    f"steps begin after step {self._walk.freeze}). The state was saved by a run "
-                    "with other schedule arguments (var_freeze_step, local_step_scaler, "
-                    "local_step_clipper; sync_every, start_step), or the schedule is not the "
-                    "optimizer's. A state carries its policies' history, which other arguments "
-                    "do not replay (in the graph such a state trains on and may diverge): "
-                    "resume with the arguments it was trained with (docs/reliability.md)."
-                )
 
     def _settle(self, window: list[_Pending]) -> None:
         """Checks the steps of ``window`` against the counts after its last one."""
