@@ -601,6 +601,44 @@ def test_a_state_restored_under_other_schedule_arguments_is_refused_at_once(othe
     assert_same_bits(s, before)  # nothing ran
 
 
+def test_a_state_inside_a_dataclass_is_checked_as_a_bare_one():
+    """A dataclass holding the optax state (a Flax TrainState) hid the library's states from
+    the dispatcher's checks, which walked tuples, lists and mappings only: a restore under
+    other schedule arguments passed (a helper's hunt), and a schedule that was not the
+    optimizer's was taken for skipped steps."""
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class TrainState:
+        opt_state: object
+
+    tx = zero_one()
+
+    def programs(kind):
+        def step(p, ts, g):
+            p, s = _step(tx, p, ts.opt_state, g, kind)
+            return p, TrainState(s)
+
+        return jax.jit(jax.vmap(step, axis_name=AXIS))
+
+    params, run = params0(), ozo.dispatch_by_kind(programs, SCHEDULE)
+    ts = TrainState(jax.vmap(tx.init, axis_name=AXIS)(params))
+    for k in range(1, 19):
+        params, ts = run(params, ts, grads_at(k))
+    other = ozo.StepSchedule(VARIANCE, ozo.LocalStepDoubling(scaler=3, clipper=4))
+    with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
+        ozo.check_schedule(ts, other)
+    with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
+        ozo.dispatch_by_kind(programs, other)(params, ts, grads_at(50))
+    wrong = ozo.dispatch_by_kind(programs, ozo.StepSchedule(VARIANCE, ozo.SyncEvery(3)))
+    params, ts = params0(), TrainState(jax.vmap(tx.init, axis_name=AXIS)(params0()))
+    with pytest.raises(ValueError, match=r"state refused .* The schedule is not the optimizer.s"):
+        for k in range(1, 40):
+            params, ts = wrong(params, ts, grads_at(k))
+        wrong.settle()
+
+
 def test_dispatch_warns_once_when_every_step_is_skipped():
     """A state that skips every step (each update not finite) keeps its counters and trains no
     more; a dispatched run says so once (two such traps were found in DiLoCo this session),

@@ -565,8 +565,9 @@ def _hooked(state: Any, hook: str) -> list[tuple[type, Any]]:
 
 
 def _nodes(state: Any) -> Iterator[Any]:
-    """Every node of ``state`` (states, tuples, lists, mappings and their entries), depth first
-    in tree order."""
+    """Every node of ``state`` (states, tuples, lists, mappings and their entries, and the
+    children of any other registered pytree node: a dataclass holding the optax state, as a
+    Flax ``TrainState`` does), depth first in tree order."""
     stack = [state]
     while stack:
         node = stack.pop()
@@ -575,6 +576,10 @@ def _nodes(state: Any) -> Iterator[Any]:
             stack.extend(reversed(list(node.values())))
         elif isinstance(node, tuple | list):
             stack.extend(reversed(node))
+        elif node is not None and not isinstance(node, jax.Array | np.ndarray | np.generic):
+            children = jax.tree_util.tree_flatten(node, is_leaf=lambda x, n=node: x is not n)[0]
+            if not (len(children) == 1 and children[0] is node):  # not a leaf
+                stack.extend(reversed(children))
 
 
 def check_not_nnx_state(state: Any, what: str) -> None:
