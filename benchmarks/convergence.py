@@ -64,6 +64,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported; run() s
 
 import dataclasses  # noqa: E402
 import pathlib  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -282,7 +283,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.long:  # the study's own options pass on; a single run's would be ignored there
         single = ("workload", "steps", "seed", "kappa", "lr", "optimizers", "mesh")
-        given = [f"--{k}" for k in single if getattr(args, k) != parser.get_default(k)]
+        given = [
+            f"--{k}"
+            for k in single
+            if any(a.split("=")[0] == f"--{k}" for a in (argv or sys.argv[1:]))
+        ]
         if given:
             parser.error(f"--long (benchmarks.convergence_long) takes no {', '.join(given)}")
         from benchmarks import convergence_long
@@ -294,16 +299,28 @@ def main(argv: list[str] | None = None) -> None:
     common.setup_cpu_devices(training.NUM_WORKERS)
     cfg = training.PRESETS[(args.workload, "quick" if args.quick else "full")]
     overrides = {"seed": args.seed, "optimizers": tuple(args.optimizers)}
-    if args.steps:
+    for flag, value, least in (("steps", args.steps, 2), ("kappa", args.kappa, 1)):
+        if value is not None and value < least:
+            parser.error(f"--{flag} must be at least {least}, got {value}")
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if args.steps is not None:
         overrides["steps"] = args.steps
-    if args.kappa:
+    if args.kappa is not None:
         overrides["kappa"] = args.kappa
-    if args.lr:
+    if args.lr is not None:
         overrides["peak_lr"] = args.lr
     if args.mesh:
-        overrides["mesh"] = tuple(int(v) for v in args.mesh.lower().split("x"))
-        if len(overrides["mesh"]) != 2 or overrides["mesh"][0] * overrides["mesh"][1] != 8:
+        parts = args.mesh.lower().split("x")
+        if (
+            len(parts) != 2
+            or not all(p.isdigit() for p in parts)
+            or int(parts[0]) * int(parts[1]) != 8
+        ):
             parser.error(f"--mesh must be NODESxLOCAL with 8 workers in all, got {args.mesh}")
+        overrides["mesh"] = (int(parts[0]), int(parts[1]))
+    if set(args.optimizers) & set(training.MESH_EXTRA) and not args.mesh:
+        parser.error(f"--optimizers {' '.join(training.MESH_EXTRA)} need --mesh NODESxLOCAL")
     cfg = dataclasses.replace(cfg, **overrides)
     variance, local = cfg.policies()
     print(training.make_workload(cfg).description)

@@ -295,6 +295,12 @@ def main(argv: list[str] | None = None) -> None:
         help="with --probe: a long run (6,000 steps) on this seed instead of a sweep run",
     )
     args = parser.parse_args(argv)
+    if not args.probe and (args.set or args.probe_long is not None):
+        parser.error("--set and --probe-long go with --probe ROW LR")
+    if args.quick and args.long:
+        parser.error("--quick and --long are two presets: pick one")
+    if args.probe and args.probe[0] not in training.OPTIMIZERS + training.EXTRA + training.LOCO:
+        parser.error(f"--probe: no row {args.probe[0]!r} (e.g. {', '.join(training.LOCO)})")
     if args.probe:
         long, seed = args.probe_long is not None, args.probe_long or 0
         found = probe(args.probe[0], float(args.probe[1]), dict(args.set), long, seed)

@@ -192,6 +192,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
     parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
     args = parser.parse_args(argv)
+    if not args.source.is_file():
+        parser.error(
+            f"--source {args.source}: no such file (the long study's JSON: "
+            "python -m benchmarks.diloco --long writes results/diloco_long.json)"
+        )
     source = json.loads(args.source.read_text())
     if cl._shaping(source["study"]) != cl._shaping(cl._settings(STUDY)):
         raise SystemExit(f"{args.source} was not run with diloco --long's settings")

@@ -218,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the workers with glibc as it comes (default: common.KEEP_MEMORY, docs/jit.md)",
     )
     opts, worker_args = parser.parse_known_args(argv)
+    # the worker's options pass through: a typo stops here (exit 2, argparse's message), not in
+    # every process of the job after the namespace is built
+    from benchmarks.jobs import network_worker
+
+    network_worker.parse_args(["--out", os.devnull, "--rates", opts.rates, *worker_args])
     reason = netns.unavailable()
     if reason:
         print(f"benchmarks.network cannot run here: {reason}.", file=sys.stderr)

@@ -39,7 +39,6 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported; main() sets PJRT_NPROC
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -784,8 +783,15 @@ def _leaves(names: list[str], total: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results")
+    from benchmarks.support import common
+
+    parser = common.argument_parser("benchmarks.onebit_divergence", __doc__)
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=ROOT / "results",
+        help=f"the directory for {STEM}.json and .md (default: results/)",
+    )
     parser.add_argument("--resume", action="store_true", help="run only what is missing")
     parser.add_argument("--quick", action="store_true", help="a smoke test (tiny model)")
     parser.add_argument(
@@ -797,6 +803,9 @@ def main(argv: list[str] | None = None) -> None:
         help=f"comma-separated, of {','.join(REMEDIES)} ('': parts 1 and 2 only)",
     )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.remedies.split(",")) - {"", *REMEDIES})
+    if unknown:
+        parser.error(f"--remedies: no remedy {', '.join(unknown)} (of {', '.join(REMEDIES)})")
     if args.report:
         text = markdown(json.loads((args.out / f"{STEM}.json").read_text()))
         (args.out / f"{STEM}.md").write_text(text)
