@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         given = [
             f"--{k}"
             for k in single
-            if any(a.split("=")[0] == f"--{k}" for a in (argv or sys.argv[1:]))
+            if any(a.split("=")[0] == f"--{k}" for a in (sys.argv[1:] if argv is None else argv))
         ]
         if given:
             parser.error(f"--long (benchmarks.convergence_long) takes no {', '.join(given)}")
