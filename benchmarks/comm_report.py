@@ -97,8 +97,12 @@ def plot(rows: list[dict], path) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = common.argument_parser("benchmarks.comm_report", __doc__)
-    parser.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--sizes", type=float, nargs="+", default=[1e5, 1e6])
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[4, 8, 16], help="worker counts N"
+    )
+    parser.add_argument(
+        "--sizes", type=float, nargs="+", default=[1e5, 1e6], help="elements per call"
+    )
     parser.add_argument("--out", default="results/comm_report.json", help=".md, .png beside it")
     args = parser.parse_args(argv)
     common.setup_cpu_devices(max(args.workers))

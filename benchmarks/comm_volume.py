@@ -719,14 +719,22 @@ def _library_version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     d = Schedule()
     p = common.argument_parser("benchmarks.comm_volume", __doc__)
-    p.add_argument("--models", nargs="+", default=["bert-large"], choices=list(model_trees.MODELS))
-    p.add_argument("--workers", nargs="+", type=int, default=[8, 16, 32, 64, 128])
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["bert-large"],
+        choices=list(model_trees.MODELS),
+        help="parameter trees",
+    )
+    p.add_argument(
+        "--workers", nargs="+", type=int, default=[8, 16, 32, 64, 128], help="worker counts N"
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="steps of the whole run")
     p.add_argument("--freeze-step", type=int, default=d.onebit_freeze_step, help="1-bit Adam")
-    p.add_argument("--var-freeze-step", type=int, default=d.var_freeze_step)
-    p.add_argument("--var-update-scaler", type=int, default=d.var_update_scaler)
-    p.add_argument("--local-step-scaler", type=int, default=d.local_step_scaler)
-    p.add_argument("--local-step-clipper", type=int, default=d.local_step_clipper)
+    p.add_argument("--var-freeze-step", type=int, default=d.var_freeze_step, help="0/1 Adam's F")
+    p.add_argument("--var-update-scaler", type=int, default=d.var_update_scaler, help="kappa")
+    p.add_argument("--local-step-scaler", type=int, default=d.local_step_scaler, help="alpha")
+    p.add_argument("--local-step-clipper", type=int, default=d.local_step_clipper, help="H")
     p.add_argument("--full-compile", action="store_true", help="XLA's default LLVM optimisation")
     p.add_argument(
         "--compute-time",
@@ -734,10 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds of computation per step (default: global batch / N / seq-per-s)",
     )
-    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="for the time projection")
     p.add_argument("--seq-per-s", type=float, default=V100_SEQ_PER_S, help="per worker")
-    p.add_argument("--eth-latency-us", type=float, default=50.0)
-    p.add_argument("--ib-latency-us", type=float, default=5.0)
+    p.add_argument("--eth-latency-us", type=float, default=50.0, help="per collective, Ethernet")
+    p.add_argument("--ib-latency-us", type=float, default=5.0, help="per collective, InfiniBand")
     p.add_argument(
         "--plot-workers",
         type=int,
@@ -750,16 +758,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="NODESxLOCAL for the hierarchical table (fast_axis_name; '' to skip)",
     )
     p.add_argument("--fast-gbit", type=float, default=400.0, help="per worker, inside a node")
-    p.add_argument("--fast-latency-us", type=float, default=2.0)
+    p.add_argument(
+        "--fast-latency-us", type=float, default=2.0, help="per collective, inside a node"
+    )
     p.add_argument("--slow-gbit", type=float, default=100.0, help="per worker, across nodes")
-    p.add_argument("--slow-latency-us", type=float, default=5.0)
+    p.add_argument(
+        "--slow-latency-us", type=float, default=5.0, help="per collective, across nodes"
+    )
     p.add_argument(
         "--cache",
         default="results/comm_volume_cache.json",
         help="stats of earlier runs, reused when nothing they depend on changed ('' = none)",
     )
-    p.add_argument("--out", default="results/comm_volume.json")
-    p.add_argument("--plot", default="results/comm_volume.png")
+    p.add_argument("--out", default="results/comm_volume.json", help="the JSON (.md beside it)")
+    p.add_argument("--plot", default="results/comm_volume.png", help="the figure")
     return p
 
 

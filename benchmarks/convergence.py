@@ -262,9 +262,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the long study, each optimizer at its best LR over 3 seeds "
         "(python -m benchmarks.convergence_long; with --quick, its few-minute check)",
     )
-    parser.add_argument("--workload", choices=("char_lm", "digits"), default="char_lm")
+    parser.add_argument(
+        "--workload", choices=("char_lm", "digits"), default="char_lm", help="the model and data"
+    )
     parser.add_argument("--steps", type=int, help="override the number of steps")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the initialisation and batches")
     parser.add_argument("--kappa", type=int, help="0/1 Adam's var_update_scaler")
     parser.add_argument("--lr", type=float, help="override the peak learning rate")
     parser.add_argument(
@@ -278,8 +280,10 @@ def main(argv: list[str] | None = None) -> None:
         help="NODESxLOCAL, e.g. 2x4: the compressing optimizers compress across nodes only "
         "(exact inside each); the flat 8-worker 0/1 Adam runs too, for comparison",
     )
-    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--out-dir", type=pathlib.Path, default=common.RESULTS, help="where to write (results/)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.long:  # the study's own options pass on; a single run's would be ignored there
         single = ("workload", "steps", "seed", "kappa", "lr", "optimizers", "mesh")

@@ -603,9 +603,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a few-minute check, no claims")
     parser.add_argument("--full", action="store_true", help="10,000 steps, 3 seeds each (~3.5 h)")
     parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
-    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
-    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS), help="the rows"
+    )
+    parser.add_argument(
+        "--out-dir", type=pathlib.Path, default=common.RESULTS, help="where to write (results/)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "full" if args.full else "long"
     study = dataclasses.replace(PRESETS[preset], optimizers=tuple(args.optimizers))

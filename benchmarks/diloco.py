@@ -271,8 +271,10 @@ def main(argv: list[str] | None = None) -> None:
         help="with --long: take AdamW's and 0/1 Adam's runs from this convergence_long JSON",
     )
     parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--out-dir", type=pathlib.Path, default=common.RESULTS, help="where to write (results/)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
         "--probe",
         nargs=2,

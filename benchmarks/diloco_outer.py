@@ -186,11 +186,18 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = common.argument_parser("benchmarks.diloco_outer", __doc__)
-    parser.add_argument("--setting", choices=SETTINGS, default="outer_lr")
+    parser.add_argument("--setting", choices=SETTINGS, default="outer_lr", help="the setting swept")
     parser.add_argument("--rows", nargs="+", choices=diloco.FAMILY, help="default: all it fits")
-    parser.add_argument("--source", type=pathlib.Path, default=common.RESULTS / "diloco_long.json")
+    parser.add_argument(
+        "--source",
+        type=pathlib.Path,
+        default=common.RESULTS / "diloco_long.json",
+        help="the long study's JSON (its best inner rates and settings)",
+    )
     parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
+    parser.add_argument(
+        "--out-dir", type=pathlib.Path, default=common.RESULTS, help="where to write (results/)"
+    )
     args = parser.parse_args(argv)
     if not args.source.is_file():
         parser.error(

@@ -207,7 +207,7 @@ def plot(summary: dict[str, Any], path: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.argument_parser("benchmarks.network", __doc__)
-    parser.add_argument("--processes", default="2,4")
+    parser.add_argument("--processes", default="2,4", help="process counts, one job each")
     parser.add_argument("--rates", default="1gbit,100mbit", help="tc rates, fastest first")
     parser.add_argument("--out", default="results/network.json", help=".md, .png beside it")
     parser.add_argument("--timeout", type=float, default=900, help="per process count, seconds")

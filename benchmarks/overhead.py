@@ -1191,15 +1191,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="vmapped workers for the step times")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 9)")
     p.add_argument("--compile-leaves", type=int, nargs="+", default=None, help="default 100 400")
-    p.add_argument("--compile-workers", type=int, default=8)
+    p.add_argument("--compile-workers", type=int, default=8, help="workers under vmap")
     p.add_argument("--compile-repeats", type=int, default=None, help="fresh processes (3)")
-    p.add_argument("--skip-compile", action="store_true")
-    p.add_argument("--skip-steps", action="store_true")
+    p.add_argument("--skip-compile", action="store_true", help="no compile tables")
+    p.add_argument("--skip-steps", action="store_true", help="no vmap step tables")
     p.add_argument("--compile-one", choices=[ADAM_PMEAN, ZERO_ONE, ONEBIT], help=argparse.SUPPRESS)
     p.add_argument("--compile-ahead", choices=["turn", "ahead"], help=argparse.SUPPRESS)
     p.add_argument("--cold-run", choices=COLD_MODES, help=argparse.SUPPRESS)
     p.add_argument("--dp-steps", type=int, default=None, help="dp.jit run length (default 64)")
-    p.add_argument("--skip-data-parallel", action="store_true")
+    p.add_argument("--skip-data-parallel", action="store_true", help="no dp.jit table")
     p.add_argument("--dp-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--dp-here",
@@ -1208,7 +1208,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dp-devices", type=int, default=2, help="with --dp-here (default 2)")
     p.add_argument("--dp-width", type=int, default=1024, help="dp.jit tree width (1024: 4.2M)")
-    p.add_argument("--out", default=None, help="JSON path (default results/overhead.json)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default results/overhead.json; with --quick, overhead_quick.json)",
+    )
     p.add_argument(
         common.SYSTEM_ALLOCATOR,
         action="store_true",

@@ -137,7 +137,9 @@ def plot(result: dict, path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = common.argument_parser("benchmarks.psum_report", __doc__)
-    parser.add_argument("--workers", type=int, nargs="+", default=[8, 16, 64, 128])
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[8, 16, 64, 128], help="worker counts N"
+    )
     parser.add_argument("--numel", type=float, default=1e6, help="elements of the bytes tree")
     parser.add_argument("--accuracy-numel", type=int, default=65_536)
     parser.add_argument("--out", default="results/psum_report.json", help=".md, .png beside it")

@@ -190,10 +190,18 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = common.argument_parser("benchmarks.zero_one_ablation", __doc__)
     default = [name for name in VARIANTS if name not in OTHER_LENGTHS]
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=default)
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=default,
+        help="the runs (default: 6,000 steps)",
+    )
+    parser.add_argument("--steps", type=int, default=STEPS, help="the run length of the variants")
+    parser.add_argument("--resume", action="store_true", help="skip the runs already saved")
+    parser.add_argument(
+        "--out-dir", type=pathlib.Path, default=common.RESULTS, help="where to write (results/)"
+    )
     args = parser.parse_args(argv)
 
     common.setup_cpu_devices(training.NUM_WORKERS)
