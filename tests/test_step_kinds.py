@@ -639,6 +639,30 @@ def test_a_state_inside_a_dataclass_is_checked_as_a_bare_one():
         wrong.settle()
 
 
+def test_a_schedule_for_scheduled_mean_alone():
+    """A StepSchedule without a local-step policy names 1-bit Adam's kinds; with a variance
+    policy that has other steps before its freeze, those got phase B's "compressed", which
+    scheduled_mean refused at every step, a NaN each time and never recovering (a trial of the
+    transforms alone). Refused at construction, with the schedule that fits; that one gives
+    the in-graph bits."""
+    policy = ozo.VarianceDoubling(freeze_step=12, update_scaler=2)
+    with pytest.raises(ValueError, match=r"step 3 before its freeze is not a variance step"):
+        ozo.StepSchedule(policy)
+    ozo.StepSchedule(ozo.FullPrecisionWarmup(12))  # 1-bit Adam's: every step a warm-up
+    schedule = ozo.StepSchedule(policy, ozo.SyncEvery(1))
+    tx = optax.chain(ozo.scheduled_mean(AXIS, policy), optax.sgd(0.1))
+    params = params0()
+    hinted = in_graph = jax.vmap(tx.init, axis_name=AXIS)(params)
+    kinds = [schedule.kind(k) for k in range(1, 17)]
+    programs = {kind: update_program(tx, kind) for kind in [*set(kinds), None]}
+    for k, kind in enumerate(kinds, 1):
+        u_h, hinted = programs[kind](grads_at(k), hinted, params)
+        u_g, in_graph = programs[None](grads_at(k), in_graph, params)
+        assert_same_bits(u_h, u_g)
+    assert_same_bits(hinted, in_graph)
+    ozo.check_hints(hinted)
+
+
 def test_dispatch_warns_once_when_every_step_is_skipped():
     """A state that skips every step (each update not finite) keeps its counters and trains no
     more; a dispatched run says so once (two such traps were found in DiLoCo this session),

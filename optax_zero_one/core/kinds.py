@@ -116,6 +116,28 @@ class StepSchedule:
     # the walk :meth:`kind` resumes (not a field of the schedule's value: no eq, hash, repr)
     _walk: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if self.local_step_policy is not None:
+            return
+        # Without a local-step policy the kinds are 1-bit Adam's: every step up to the freeze
+        # a full-precision warm-up, then "compressed" (phase B). A policy with other steps
+        # before its freeze (VarianceDoubling's) would name them with phase B's kind, which a
+        # phase-A transform refuses at every step (a NaN each time, never recovering: a trial
+        # of scheduled_mean alone). Looked at over the first steps only (a host walk).
+        vp, state = self.variance_policy, self.variance_policy.init()
+        for k in range(1, min(vp.freeze_step, _CHECK_STEPS) + 1):
+            if not bool(vp.is_update_step(state, k)):
+                raise ValueError(
+                    f"StepSchedule({type(vp).__name__}(...)) without a local_step_policy names "
+                    "1-bit Adam's kinds (every step up to the freeze a full-precision warm-up), "
+                    f"but this variance policy's step {k} before its freeze is not a variance "
+                    "step. For scheduled_mean or a 0/1 Adam-like composition pass a local-step "
+                    "policy: its steps after the freeze pass through, e.g. "
+                    "ozo.StepSchedule(variance_policy, ozo.SyncEvery(1)); for 1-bit Adam, "
+                    "ozo.onebit_schedule(freeze_step)."
+                )
+            state = vp.next(state, k)
+
     @property
     def kinds(self) -> tuple[StepKind, ...]:
         """This optimizer's kinds, in the order of :meth:`indices`."""
@@ -178,6 +200,7 @@ def _check_step(step: Any) -> int:
     return int(step)
 
 
+_CHECK_STEPS = 4_096  # steps StepSchedule checks a 1-bit Adam variance policy over
 _WALK_LIMIT = 1_000_000  # steps kinds_from walks (~1 us each) before assuming every kind
 _WALK_LOCK = threading.Lock()  # StepSchedule.kind's walk is shared by the schedule's callers
 

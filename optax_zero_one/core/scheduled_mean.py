@@ -76,7 +76,8 @@ def scheduled_mean(
     traces that kind's branch alone (``phase_a`` and ``variance`` say which) and checks it
     against the counters: a step whose hint is wrong is not applied (a NaN update, so that the
     guard around it skips the step, and the state kept; ``refused_hint`` counts it).
-    Without it the branch is chosen in the graph.
+    Without it the branch is chosen in the graph. Its schedule (for a dispatcher or the hints):
+    ``ozo.StepSchedule(variance_policy, ozo.SyncEvery(1))`` (after ``F`` its kinds pass through).
 
     Args:
       axis_name: the worker axis, or ``None`` for one worker (then every branch is the identity).
