@@ -233,7 +233,8 @@ def _mapped_axes(updates: Any) -> set[str]:
 
     JAX has no public query for them: this reads its axis environment where that exists
     (``jax._src.core.unsafe_get_axis_names``, jax 0.10) and otherwise falls back to the axes the
-    updates are typed as varying over (``shard_map`` only). Used for a warning alone."""
+    updates are typed as varying over (``shard_map`` only). Used for a warning and for the
+    wording of an error, never to decide a result."""
     names: set[str] = set()
     try:
         from jax._src import core as jax_core
@@ -326,6 +327,13 @@ def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
     except NameError:
         if num_workers is None:
             count = "(nodes, workers per node)" if isinstance(axis_name, tuple) else "N"
+            bound = sorted(_mapped_axes(None))
+            if bound:  # mapped, over another axis: most likely a misspelt axis_name
+                raise ValueError(
+                    f"The optimizer was built with axis_name={axis_name!r}, but init runs "
+                    f"inside a mapped program over {', '.join(map(repr, bound))} only: build "
+                    "it with axis_name= the workers' axis (one of those)."
+                ) from None
             raise ValueError(
                 f"init was called outside a context that binds axis_name={axis_name!r}, so the "
                 "number of workers is unknown. Either call init inside jax.shard_map / "
