@@ -287,10 +287,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.long:  # the study's own options pass on; a single run's would be ignored there
         single = ("workload", "steps", "seed", "kappa", "lr", "optimizers", "mesh")
-        given = [
+        argv_given = sys.argv[1:] if argv is None else argv
+        given = [  # a value other than the default, or the flag spelt out (even at its default)
             f"--{k}"
             for k in single
-            if any(a.split("=")[0] == f"--{k}" for a in (sys.argv[1:] if argv is None else argv))
+            if getattr(args, k) != parser.get_default(k)
+            or any(a.split("=")[0] == f"--{k}" for a in argv_given)
         ]
         if given:
             parser.error(f"--long (benchmarks.convergence_long) takes no {', '.join(given)}")

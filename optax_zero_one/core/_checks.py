@@ -328,11 +328,14 @@ def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
         if num_workers is None:
             count = "(nodes, workers per node)" if isinstance(axis_name, tuple) else "N"
             bound = sorted(_mapped_axes(None))
-            if bound:  # mapped, over another axis: most likely a misspelt axis_name
+            if bound and isinstance(axis_name, str):  # mapped over other axes only
                 raise ValueError(
                     f"The optimizer was built with axis_name={axis_name!r}, but init runs "
-                    f"inside a mapped program over {', '.join(map(repr, bound))} only: build "
-                    "it with axis_name= the workers' axis (one of those)."
+                    f"inside a mapped program over {', '.join(map(repr, bound))} only. If the "
+                    "workers' axis is one of those, build the optimizer with that axis_name; "
+                    "if it is bound outside this init (an ensemble's vmap around it), call init "
+                    "inside it, or pass num_workers=N and replicate the state over the workers "
+                    "yourself (optax_zero_one.replicate)."
                 ) from None
             raise ValueError(
                 f"init was called outside a context that binds axis_name={axis_name!r}, so the "
