@@ -41,6 +41,11 @@ def vary_over(x: jax.Array, axes: frozenset) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def vary_like(x: jax.Array, like: Any) -> jax.Array:
+    """``x`` typed as varying over the axes ``like`` varies over too (``shard_map``)."""
+    return vary_over(x, varying_axes(like))
+
+
 def worker_axes(axis_name: Any) -> frozenset:
     """The manual mesh axes a per-worker value varies over: the worker axes inside
     ``shard_map`` (and ``pmap``, which is built on it), nothing under ``vmap`` or unbound."""
@@ -333,7 +338,7 @@ def refuse_unless(ok: Any, own_ok: Any, expected: jax.Array, new_state: Any, old
     kept = restore_skipped(ok, new_state, old)
     record = old.refused_hint
     refused = jnp.stack([record[0] + 1, expected.astype(jnp.int32) + 1])
-    refused = vary_over(refused, varying_axes(record))
+    refused = vary_like(refused, record)
     return kept._replace(refused_hint=jnp.where(own_ok, record, refused))
 
 

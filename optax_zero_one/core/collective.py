@@ -205,7 +205,7 @@ def compressed_mean(
         mean, worker_error, finite = psum_mean.compressed_mean(
             x.buffer, errors.worker_error.buffer, layout, axis_name
         )
-        mean = _graph.vary_over(mean, _graph.varying_axes(x.buffer))
+        mean = _graph.vary_like(mean, x.buffer)
         return (
             FlatTree(mean, layout),
             OnebitMeanState(FlatTree(worker_error, layout), errors.server_error),
@@ -243,7 +243,7 @@ def _hierarchical(
     share = lax.psum_scatter(x, fast, scatter_dimension=0, tiled=True) / local
     if share.shape[0] == 1:  # one node: the exact mean, nothing compressed
         mean = lax.all_gather(share, fast, axis=0, tiled=True)
-        return _graph.vary_over(mean, _graph.varying_axes(x)), errors, _graph.all_finite(mean)
+        return _graph.vary_like(mean, x), errors, _graph.all_finite(mean)
     gathered, worker_error, server_error = _serve(
         share, errors.worker_error, errors.server_error, layout, slow
     )
@@ -303,7 +303,7 @@ def _decode(gathered: jax.Array, layout: Layout, like: jax.Array) -> tuple[jax.A
     )
     element = layout.is_element()
     mean = decoded if element is True else jnp.where(element, decoded, 0)
-    mean = _graph.vary_over(mean, _graph.varying_axes(like))
+    mean = _graph.vary_like(mean, like)
     return mean, jnp.all(jnp.isfinite(server_scales))
 
 
@@ -327,7 +327,7 @@ def float_mean(x: Any, axis_name: _checks.Axes) -> Any:
         mean = FlatTree(total / workers, wide.layout)
     else:  # over every worker (a fast axis of size 1 adds nothing to the group)
         mean = lax.pmean(wide, axis_name if local > 1 else slow)
-    return jax.tree.map(lambda m, v: _graph.vary_over(m, _graph.varying_axes(v)), mean, wide)
+    return jax.tree.map(_graph.vary_like, mean, wide)
 
 
 def flat_mask(mask: Any, layout: Layout, dtype: Any = jnp.float32) -> jax.Array | None:
