@@ -89,10 +89,6 @@ def _check_not_donated(params: Any, opt_state: Any) -> None:
             raise dispatch.consumed(name, "dp.jit(..., donate=False)")
 
 
-def _leaf_name(path: Any) -> str:
-    return _checks.leaf_name(path)
-
-
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
     """Data-parallel training with a compressing optimizer on one axis of a mesh.
@@ -187,7 +183,7 @@ class DataParallel:
             size = shape[dim] if dim < len(shape) else None
             if size is None or size % parts:
                 raise ValueError(
-                    f"leaf {_leaf_name(path)} of shape {shape} is sharded as {spec}: its "
+                    f"leaf {_checks.leaf_name(path)} of shape {shape} is sharded as {spec}: its "
                     f"dimension {dim} ({'absent' if size is None else size}) does not split "
                     f"into {parts} equal parts over {entry!r}. Shard a dimension that does, "
                     "or replicate the leaf (P())."
@@ -233,7 +229,7 @@ class DataParallel:
                 ok = ok and spec is not None and self._sized(lead) == self._sized(self.data_axes)
             if not ok:
                 raise ValueError(
-                    f"{what} is not in the worker layout: leaf {_leaf_name(path)} has shape "
+                    f"{what} is not in the worker layout: leaf {_checks.leaf_name(path)} has shape "
                     f"{shape} and sharding {getattr(x, 'sharding', None)}, not a leading axis of "
                     f"{self.num_workers} data workers sharded over {self.data_axis!r}. "
                     + self._layout_advice(x, shape, what)
@@ -243,9 +239,9 @@ class DataParallel:
                 want = P(self.data_axis, *model_specs[i])
                 if self._dims(spec, len(shape)) != self._dims(want, len(shape)):
                     raise ValueError(
-                        f"{what} leaf {_leaf_name(path)} is sharded as {spec}, where the worker "
-                        f"layout has {want} (the data axis, then the specs the params had when "
-                        "given to data_parallel): the step would keep that placement for the "
+                        f"{what} leaf {_checks.leaf_name(path)} is sharded as {spec}, where the "
+                        f"worker layout has {want} (the data axis, then the specs the params had "
+                        "when given to data_parallel): the step would keep that placement for the "
                         "whole run. " + self._layout_advice(x, shape, what)
                     )
 
@@ -350,12 +346,8 @@ class DataParallel:
             # typed as varying over the axes their inputs varied over (the data axis): the
             # nested program's outputs are not (check_vma=False), and a scan, loop or cond
             # carrying the state (optax.MultiSteps) needs its type unchanged
-            out = [_graph.vary_over(o, _graph.varying_axes(v)) for o, v in zip(out, values)]
-            inner = jax.tree.map(
-                lambda new, old: _graph.vary_over(new, _graph.varying_axes(old)),
-                inner,
-                state.inner,
-            )
+            out = [_graph.vary_like(o, v) for o, v in zip(out, values, strict=True)]
+            inner = jax.tree.map(_graph.vary_like, inner, state.inner)
             return jax.tree.unflatten(treedef, out), ShardLocalState(inner)
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -553,14 +545,14 @@ class DataParallel:
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
             if np.ndim(x) == 0:
                 raise ValueError(
-                    f"batch leaf {_leaf_name(path)} is a scalar: every leaf of the batch is "
+                    f"batch leaf {_checks.leaf_name(path)} is a scalar: every leaf of the batch is "
                     f"split along its leading axis into {n} parts, one per data worker. Pass a "
                     "value that is the same for every worker to the step another way (a "
                     "closure, a static argument), or broadcast it to one row per example."
                 )
             if np.shape(x)[0] % n:
                 raise ValueError(
-                    f"batch leaf {_leaf_name(path)} has shape {np.shape(x)}: its leading "
+                    f"batch leaf {_checks.leaf_name(path)} has shape {np.shape(x)}: its leading "
                     f"axis must split into {n} equal parts, one per data worker. Make the "
                     f"global batch size a multiple of {n}."
                 )
@@ -673,15 +665,17 @@ def data_parallel(
         elif isinstance(getattr(x, "sharding", None), NamedSharding):
             if x.sharding.mesh.shape_tuple != mesh.shape_tuple:
                 raise ValueError(
-                    f"param {_leaf_name(path)} is sharded over mesh {x.sharding.mesh.shape}, not "
-                    f"over {mesh.shape}: place the params on the mesh you pass."
+                    f"param {_checks.leaf_name(path)} is sharded over mesh "
+                    f"{x.sharding.mesh.shape}, not over {mesh.shape}: place the params on the "
+                    "mesh you pass."
                 )
             spec = x.sharding.spec
         else:
             spec = P()
         if set(names) & _spec_axes(spec):
             raise ValueError(
-                f"param {_leaf_name(path)} is sharded over the data axis {data_axis!r} ({spec}): "
+                f"param {_checks.leaf_name(path)} is sharded over the data axis {data_axis!r} "
+                f"({spec}): "
                 "every data worker keeps a whole copy of its params (and they differ during "
                 "local steps). Shard it over another axis (e.g. 'fsdp' or 'model') and keep "
                 f"{data_axis!r} for the batch."
