@@ -129,9 +129,9 @@ class StepSchedule:
         freeze = getattr(vp, "freeze_step", None)
         if not _checks.is_static_number(freeze) or type(vp).__module__ != policies.__name__:
             return  # a traced freeze, or a policy of the user's (its walk may be slow): unchecked
-        state = vp.init()
+        walk = _Walk(self)
         for k in range(1, min(int(freeze), _CHECK_STEPS) + 1):
-            if not bool(vp.is_update_step(state, k)):
+            if walk.kind(k) is not WARMUP:
                 raise ValueError(
                     f"StepSchedule({type(vp).__name__}(...)) without a local_step_policy names "
                     "1-bit Adam's kinds (every step up to the freeze a full-precision warm-up), "
@@ -141,7 +141,6 @@ class StepSchedule:
                     "ozo.StepSchedule(variance_policy, ozo.SyncEvery(1)); for 1-bit Adam, "
                     "ozo.onebit_schedule(freeze_step)."
                 )
-            state = vp.next(state, k)
 
     @property
     def kinds(self) -> tuple[StepKind, ...]:
