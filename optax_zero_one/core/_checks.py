@@ -326,7 +326,6 @@ def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
         bound = jax.lax.axis_size(axis_name)
     except NameError:
         if num_workers is None:
-            count = "(nodes, workers per node)" if isinstance(axis_name, tuple) else "N"
             bound = sorted(_mapped_axes(None))
             if bound and isinstance(axis_name, str):  # mapped over other axes only
                 raise ValueError(
@@ -337,6 +336,7 @@ def resolve_num_workers(axis_name: Axes, num_workers: Any) -> int:
                     "inside it, or pass num_workers=N and replicate the state over the workers "
                     "yourself (optax_zero_one.replicate)."
                 ) from None
+            count = "(nodes, workers per node)" if isinstance(axis_name, tuple) else "N"
             raise ValueError(
                 f"init was called outside a context that binds axis_name={axis_name!r}, so the "
                 "number of workers is unknown. Either call init inside jax.shard_map / "
