@@ -592,12 +592,7 @@ def test_a_state_restored_under_other_schedule_arguments_is_refused_at_once(othe
         ozo.check_schedule(s, other)
     before = jax.tree.map(np.asarray, s)
     with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
-        ozo.dispatch_by_kind(
-            lambda kind: jax.jit(
-                jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)
-            ),
-            other,
-        )(p, s, grads_at(50))
+        _dispatched_with(tx, schedule=other)(p, s, grads_at(50))
     assert_same_bits(s, before)  # nothing ran
 
 
@@ -872,10 +867,10 @@ def test_dispatcher_positions_and_names_are_checked():
         names["train_step"](params, state, grads_at(1))
 
 
-def _dispatched_with(tx, **kw):
+def _dispatched_with(tx, schedule=SCHEDULE, **kw):
     return ozo.dispatch_by_kind(
         lambda kind: jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)),
-        SCHEDULE,
+        schedule,
         **kw,
     )
 
