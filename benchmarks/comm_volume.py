@@ -795,14 +795,11 @@ def plot(path: pathlib.Path, curves: dict[str, dict[str, np.ndarray]], n: int) -
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     workers = sorted(set(args.workers))
-    parts = args.nodes.lower().split("x") if args.nodes else None
-    if parts is not None and (
-        len(parts) != 2 or not all(v.isdigit() and int(v) > 0 for v in parts)
-    ):
+    nodes = common.node_split(args.nodes) if args.nodes else None
+    if args.nodes and nodes is None:
         raise SystemExit(
             f"--nodes must be NODESxLOCAL (e.g. 8x8) or an empty string, got {args.nodes!r}"
         )
-    nodes = tuple(int(v) for v in parts) if parts else None
     common.setup_cpu_devices(max(workers + ([math.prod(nodes)] if nodes else [])))
     # the figure's N: --plot-workers if it is one of --workers, else the largest of them
     plot_workers = args.plot_workers if args.plot_workers in workers else workers[-1]

@@ -317,14 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.lr is not None:
         overrides["peak_lr"] = args.lr
     if args.mesh:
-        parts = args.mesh.lower().split("x")
-        if (
-            len(parts) != 2
-            or not all(p.isdigit() for p in parts)
-            or int(parts[0]) * int(parts[1]) != 8
-        ):
+        split = common.node_split(args.mesh)
+        if split is None or split[0] * split[1] != 8:
             parser.error(f"--mesh must be NODESxLOCAL with 8 workers in all, got {args.mesh}")
-        overrides["mesh"] = (int(parts[0]), int(parts[1]))
+        overrides["mesh"] = split
     if set(args.optimizers) & set(training.MESH_EXTRA) and not args.mesh:
         parser.error(f"--optimizers {' '.join(training.MESH_EXTRA)} need --mesh NODESxLOCAL")
     cfg = dataclasses.replace(cfg, **overrides)

@@ -524,6 +524,15 @@ def workers_axis(ax: Any, workers: Sequence[int]) -> None:
     ax.set_xlabel("workers N")
 
 
+def node_split(text: str) -> tuple[int, int] | None:
+    """``"NODESxLOCAL"`` (e.g. ``"2x4"``, any case) as ``(nodes, local)``, two positive integers;
+    ``None`` for anything else (the caller says what it expected)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
 def argument_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
     """The command line of ``python -m module``; ``--help`` prints the module's docstring (what
     it measures and what it writes) above the options."""
