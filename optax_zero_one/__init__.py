@@ -74,6 +74,7 @@ from optax_zero_one.core.scheduled_mean import ScheduledMeanState, scheduled_mea
 from optax_zero_one.core.wrappers import flatten, skip_not_finite
 from optax_zero_one.core.zero_one_adam import FrozenAdamSync, scale_by_zero_one_adam, zero_one_adam
 from optax_zero_one.integration.checkpoint import (
+    check_restored,
     check_worker_count,
     reset_compression,
     worker_count,
@@ -131,6 +132,7 @@ __all__ = [
     "ScheduledMeanState",
     "skip_not_finite",
     "check_hints",
+    "check_restored",
     "check_schedule",
     "step_count",
     "step_kind",

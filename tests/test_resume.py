@@ -391,3 +391,62 @@ def test_reset_compression_of_a_partial_or_flattened_local_step_state(case):
         p2, s2 = step_of(make(2))(p2, s2, g)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves((p2, s2)))
     assert float(np.abs(np.asarray(p2["b"])).max()) < 50.0  # it blew up to ~2,700
+
+
+def test_a_state_restored_for_a_renamed_or_reshaped_tree_is_refused(tmp_path):
+    """A flat state's buffers restore by position, with no names: restored into the state of a
+    tree whose leaf was renamed (sorting before another) or reshaped, Orbax succeeded and each
+    leaf trained on with another leaf's moments and anchor (a new-user trial). The state keeps
+    a fingerprint of each leaf's name and shape; ``check_restored``, a dispatcher's first
+    call and ``reset_compression`` compare it with the tree the state was restored for."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = ozo.zero_one_adam(1e-2, var_freeze_step=2, axis_name=AXIS)
+    schedule = ozo.zero_one_schedule(var_freeze_step=2)
+
+    def programs(kind):
+        def step(p, s, g):
+            u, s = tx.update(g, s, p, step_kind=kind)
+            return optax.apply_updates(p, u), s
+
+        return jax.jit(jax.vmap(step, axis_name=AXIS))
+
+    def tree(w, b):  # "w" is (3, 4) and sorts after "b"
+        return ozo.replicate({w: jnp.arange(12.0).reshape(3, 4), b: jnp.ones(5)}, 4)
+
+    params = tree("w", "b")
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    run = ozo.dispatch_by_kind(programs, schedule)
+    for k in range(6):  # into phase B
+        grads = jax.tree.map(lambda x, k=k: jnp.sin(x * (k + 1)), params)
+        params, state = run(params, state, grads)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+
+    def restored_for(p):
+        target = jax.vmap(tx.init, axis_name=AXIS)(p)
+        return checkpointer.restore(tmp_path / "ckpt", target)
+
+    same = restored_for(params)
+    ozo.check_restored(same, schedule)
+    renamed = {"a": params["w"], "b": params["b"]}  # "a" now sorts first
+    reshaped = {"w": params["w"].reshape(4, 4, 3), "b": params["b"]}
+    for p, names in (
+        (renamed, r"\['a'\] \(3, 4\), \['b'\] \(5,\)"),
+        (reshaped, r"\['w'\] \(4, 3\)"),
+    ):
+        wrong = restored_for(p)  # the checkpointer does not mind: the buffers' shapes agree
+        with pytest.raises(ValueError, match="saved for another parameter tree.*" + names):
+            ozo.check_restored(wrong)
+        before = jax.tree.map(np.asarray, wrong)
+        fresh_run = ozo.dispatch_by_kind(programs, schedule)
+        with pytest.raises(ValueError, match="saved for another parameter tree"):
+            fresh_run(p, wrong, p)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(wrong), strict=True):
+            np.testing.assert_array_equal(a, b)  # nothing ran
+        fresh = jax.vmap(tx.init, axis_name=AXIS)(jax.tree.map(lambda x: x[:2], p))
+        with pytest.raises(ValueError, match="saved for another parameter tree"):
+            ozo.reset_compression(p, wrong, fresh)
+    # the same tree goes on where it was
+    params, resumed = run(params, same, params)
+    assert ozo.step_count(resumed) == 7

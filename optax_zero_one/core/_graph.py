@@ -71,6 +71,20 @@ def worker_state(state: Any, axis_name: Any) -> Any:
     return jax.tree.map(lambda x: vary_over(jnp.asarray(x), axes), state)
 
 
+def first_values(x: Any, count: int) -> np.ndarray:
+    """The first ``count`` entries of an array this process can read (a replicated or
+    per-worker counter or record), without communication."""
+    shards = getattr(x, "addressable_shards", None)
+    if shards:
+        x = shards[0].data
+    return np.asarray(x).reshape(-1)[:count]
+
+
+def first_value(x: Any) -> Any:
+    """The first entry of an array this process can read (:func:`first_values`)."""
+    return first_values(x, 1)[0]
+
+
 def nodes_of(tree: Any, cls: type) -> list:
     """The nodes of ``tree`` that are instances of ``cls`` (e.g. a transform's state in a chain)."""
     nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -405,6 +406,18 @@ def leaf_offsets(layout: Layout) -> jax.Array:
     """The first column of each leaf, int32 ``(leaves,)`` (:func:`flatten` keeps them in its
     state)."""
     return jnp.asarray(_graph.int32_starts(layout.starts))
+
+
+def leaf_keys(layout: Layout) -> jax.Array:
+    """A fingerprint of each leaf's path and shape (CRC-32), int32 ``(leaves,)``.
+
+    :func:`flatten` keeps them in its state: a checkpoint restores flat buffers by position, not
+    by name, so these are what tells a restored state's leaves from those of the tree it is
+    restored for (:func:`~optax_zero_one.check_restored`)."""
+    keys = [
+        zlib.crc32(f"{path}|{shape}".encode()) for path, shape in zip(layout.paths, layout.shapes)
+    ]
+    return jnp.asarray(np.asarray(keys, np.uint32).view(np.int32))
 
 
 def cut_leaves(

@@ -314,7 +314,7 @@ def step_count(state: Any) -> int:
             "This state holds no step counter of optax_zero_one's transforms (a state made by "
             "zero_one_adam, onebit_adam or one of their blocks is needed)."
         )
-    return int(first_value(counter))
+    return int(_graph.first_value(counter))
 
 
 def check_hints(state: Any) -> None:
@@ -329,7 +329,7 @@ def check_hints(state: Any) -> None:
     _graph.check_not_nnx_state(state, "check_hints")
     problems = []
     for cls, record in _graph.refusals(state):
-        refused, expected = (int(v) for v in first_values(record, 2))
+        refused, expected = (int(v) for v in _graph.first_values(record, 2))
         if refused:
             problems.append(
                 f"{cls.__name__} refused {refused} (its counters asked for "
@@ -377,7 +377,7 @@ def check_schedule(
             got, want = jax.tree.leaves(getattr(node, field)), jax.tree.leaves(want)
             if len(got) != len(want) or any(np.size(w) != 1 for w in want):
                 continue  # a policy of another shape: nothing to compare
-            got = [first_value(g) for g in got]
+            got = [_graph.first_value(g) for g in got]
             if all(g == w for g, w in zip(got, want, strict=True)):
                 continue
             raise ValueError(
@@ -391,20 +391,6 @@ def check_schedule(
                 "graph such a state trains on and may diverge): resume with the arguments it "
                 "was trained with (docs/reliability.md)."
             )
-
-
-def first_values(x: Any, count: int) -> np.ndarray:
-    """The first ``count`` entries of an array this process can read (a replicated or
-    per-worker counter or record), without communication."""
-    shards = getattr(x, "addressable_shards", None)
-    if shards:
-        x = shards[0].data
-    return np.asarray(x).reshape(-1)[:count]
-
-
-def first_value(x: Any) -> Any:
-    """The first entry of an array this process can read (:func:`first_values`)."""
-    return first_values(x, 1)[0]
 
 
 def step_kind(state: Any, schedule: StepSchedule) -> StepKind:

@@ -25,6 +25,7 @@ from optax_zero_one.core.flat import (
     compute_dtype,
     cut_leaves,
     find_layout,
+    leaf_keys,
     leaf_offsets,
     to_flat,
 )
@@ -46,6 +47,11 @@ class FlattenState(NamedTuple):
         gathers. Kept in the state so that its structure, and saved checkpoints, stay as they
         were.
       inner_state: the state of the wrapped transform, over :class:`FlatTree` values.
+      leaf_keys: a fingerprint of each leaf's path and shape, int32 ``(leaves,)``
+        (:func:`~optax_zero_one.core.flat.leaf_keys`). A checkpoint restores the flat buffers
+        by position, with no names; :func:`check_leaf_keys` compares these, as saved, with the
+        tree the state is restored for, so that a renamed or reshaped leaf is refused instead
+        of receiving another leaf's moments.
     """
 
     KEEPS_BUFFERS = True  # its transform keeps its buffers on a skipped step
@@ -53,12 +59,12 @@ class FlattenState(NamedTuple):
 
     offsets: jax.Array
     inner_state: optax.OptState
+    leaf_keys: jax.Array
 
     def moved(self, every: Any, fresh: FlattenState, move: Any) -> FlattenState:
         """To another worker count: the fresh layout's offsets, the inner state moved."""
-        return FlattenState(
-            fresh.offsets, move(self.inner_state, every.inner_state, fresh.inner_state)
-        )
+        inner = move(self.inner_state, every.inner_state, fresh.inner_state)
+        return FlattenState(fresh.offsets, inner, fresh.leaf_keys)
 
 
 def flatten(
@@ -146,7 +152,7 @@ def flatten_over(
         _refuse_shape_readers(inner_state)
         if _checks.is_placeholder(params):
             inner_state = _flat_buffers_as_leaves(inner_state)
-        state = FlattenState(leaf_offsets(layout), inner_state)
+        state = FlattenState(leaf_offsets(layout), inner_state, leaf_keys(layout))
         return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: FlattenState, params: Any, **extra_args: Any) -> Any:
@@ -182,9 +188,48 @@ def flatten_over(
             (to_flat(updates, layout, dtype), state.inner_state, flat_params),
             lambda take: cut_leaves(take, layout, offsets, dtypes),
         )
-        return out, FlattenState(state.offsets, inner_state)
+        return out, state._replace(inner_state=inner_state)
 
     return _checks.transformation(init_fn, update_fn, FlattenState, "this optimizer")
+
+
+def check_leaf_keys(state: Any) -> None:
+    """Raises ``ValueError`` if a :class:`FlattenState` in ``state`` holds leaves saved for
+    another tree than its layout's (one small read per such state).
+
+    A checkpoint restores the flat buffers by position: restored into the state of a tree whose
+    leaves were renamed (so that they sort in another order) or reshaped, each leaf's moments,
+    anchor and error buffers would land on another leaf, silently (``optax.adam``'s restore
+    fails on the names instead). The state keeps a fingerprint of each leaf's path and shape
+    from its ``init``; the restore brings the saved ones, the layout is the tree's now.
+    """
+    for node in _graph.nodes_of(state, FlattenState):
+        layout = find_layout(node.inner_state)
+        if layout is None or not layout.paths:
+            continue
+        keys = node.leaf_keys
+        if isinstance(keys, jax.core.Tracer) or not hasattr(keys, "__array__"):
+            raise ValueError(
+                "check_leaf_keys reads the restored state's values: pass the restored state "
+                "itself (concrete arrays), not its shapes or a traced value."
+            )
+        count = len(layout.paths)
+        saved = _graph.first_values(keys, count)
+        want = np.asarray(leaf_keys(layout))
+        if saved.shape == want.shape and np.array_equal(saved, want):
+            continue
+        moved = [i for i in range(count) if i >= saved.size or saved[i] != want[i]]
+        names = ", ".join(f"{layout.paths[i]} {layout.shapes[i]}" for i in moved[:6])
+        more = f" and {len(moved) - 6} more" if len(moved) > 6 else ""
+        raise ValueError(
+            f"The optimizer state was saved for another parameter tree: at {len(moved)} of its "
+            f"{count} leaf positions the saved leaf's name or shape is not that of this tree's "
+            f"leaf there ({names}{more}). A checkpoint restores the flat buffers by position, "
+            "not by name, so each of these leaves would get another leaf's moments (and anchor and "
+            "error buffers). Restore with the params tree the state was saved with (the same "
+            "leaf names and shapes), or, to go on with this tree, start the optimizer afresh "
+            "from the restored params (tx.init(params)): the moments are lost, the params kept."
+        )
 
 
 def _flat_buffers_as_leaves(state: Any) -> Any:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one.core import _checks, _graph
+from optax_zero_one.core import _checks, _graph, kinds, wrappers
 from optax_zero_one.integration import workers
 
 
@@ -156,6 +156,43 @@ def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
         )
 
 
+def check_restored(opt_state: Any, schedule: kinds.StepSchedule | None = None) -> None:
+    """Raises a clear ``ValueError`` if a restored optimizer state does not fit this run.
+
+    Call it once after a restore, in a loop of your own (a dispatcher, ``dp.jit(...,
+    schedule=)`` or :func:`~optax_zero_one.dispatch_by_kind`, runs the same checks itself at its
+    first call and after a restore). A checkpoint holds neither the params' names nor the
+    optimizer's arguments (``docs/reliability.md``), so two mistakes restore without an error
+    and corrupt training:
+
+    - **another params tree**: a flat state's buffers are restored by position, so a leaf
+      renamed (sorting elsewhere) or reshaped since the save would get another leaf's moments,
+      anchor and error buffers. The state keeps a fingerprint of each leaf's name and shape;
+      they are compared with the tree the state was restored for.
+    - **other schedule arguments** (with ``schedule``): see
+      :func:`~optax_zero_one.check_schedule`.
+
+    Args:
+      opt_state: the restored optimizer state (any layout; concrete arrays, not shapes).
+      schedule: the :class:`~optax_zero_one.StepSchedule` of the optimizer as built now, if it
+        has local steps or phases (``ozo.zero_one_schedule(...)`` etc.); ``None`` checks the
+        leaves only.
+
+    Example:
+      >>> tx = ozo.zero_one_adam(1e-3, axis_name="w")
+      >>> saved = jax.vmap(tx.init, axis_name="w")(ozo.replicate({"a": jnp.zeros(8)}, 2))
+      >>> ozo.check_restored(saved)  # passes
+      >>> renamed = jax.vmap(tx.init, axis_name="w")(ozo.replicate({"b": jnp.zeros(8)}, 2))
+      >>> restored = jax.tree.unflatten(jax.tree.structure(renamed), jax.tree.leaves(saved))
+      >>> ozo.check_restored(restored)  # as a checkpointer restores it: by position
+      Traceback (most recent call last):
+      ValueError: The optimizer state was saved for another parameter tree: ...
+    """
+    wrappers.check_leaf_keys(opt_state)
+    if schedule is not None:
+        kinds.check_schedule(opt_state, schedule)
+
+
 def _saved_nodes(tree: Any) -> int | None:
     """The number of nodes (slow-axis workers) the compression state of ``tree`` was sized
     for: the rows of each worker's ``worker_error`` buffer (``OnebitMeanState``'s field, found
@@ -223,6 +260,7 @@ def reset_compression(
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009; DeepSpeed's load path resets the same buffers.
     """
+    wrappers.check_leaf_keys(opt_state)  # moved by position: the leaves must be the tree's
     if _graph.nodes_of(opt_state, workers.ShardLocalState):
         raise ValueError(
             "reset_compression got the state of DataParallel.optimizer on a model-sharded mesh "
