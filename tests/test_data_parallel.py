@@ -761,6 +761,26 @@ def test_a_restored_host_copy_is_placed_as_the_error_says_and_resumes_bitwise():
 
 
 @pytest.mark.parametrize("schedule", [None, SCHEDULE], ids=["in-graph", "dispatched"])
+def test_a_state_restored_for_a_renamed_tree_is_refused_at_the_first_call(schedule):
+    """dp.jit without a schedule (one program deciding in the graph) checks its first call's
+    arguments in Python: a restart restoring a state into the target of a renamed tree (the
+    checkpointer fills its flat buffers by position) is refused there, as a dispatcher's
+    first call refuses it (a trial: it trained on silently with another leaf's moments)."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    dp, tx, step, params = job.setup(mesh)
+    params_w = dp.to_workers(params)
+    state = dp.init(tx, params_w)
+    for x in batches(3):
+        params_w, state, _ = dp.jit(step, donate=False)(params_w, state, x)
+    renamed = {"a": params_w["w2"], "b": params_w["b"], "w1": params_w["w1"]}  # "a" sorts first
+    target = dp.init(tx, renamed)
+    wrong = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(state))
+    with pytest.raises(ValueError, match=r"saved for another parameter tree.*\['a'\] \(32, 4\)"):
+        dp.jit(step, schedule=schedule)(renamed, wrong, batches(1)[0])
+    dp.jit(step, schedule=schedule)(params_w, state, batches(1)[0])  # the same tree goes on
+
+
+@pytest.mark.parametrize("schedule", [None, SCHEDULE], ids=["in-graph", "dispatched"])
 def test_arrays_a_donating_step_consumed_raise_instead_of_crashing(schedule):
     """Launching a program with donated (deleted) buffers crashes XLA:CPU's process (jax
     0.10); the step raises first, naming the argument and the fix."""

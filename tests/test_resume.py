@@ -447,6 +447,42 @@ def test_a_state_restored_for_a_renamed_or_reshaped_tree_is_refused(tmp_path):
         fresh = jax.vmap(tx.init, axis_name=AXIS)(jax.tree.map(lambda x: x[:2], p))
         with pytest.raises(ValueError, match="saved for another parameter tree"):
             ozo.reset_compression(p, wrong, fresh)
+        # moved to 2 workers with a fresh state of the renamed tree: refused, not misplaced
+        # (a trial: the leaves then took the fresh state's fingerprints and passed every check)
+        half = jax.tree.map(lambda x: x[:2], p)
+        with pytest.raises(ValueError, match="fresh_state was made for another parameter tree"):
+            ozo.reset_compression(params, same, jax.vmap(tx.init, axis_name=AXIS)(half))
+    # an NNX State or a plain copy hides the state classes: refused, not passed
+    with pytest.raises(ValueError, match="check_restored got an optimizer state as plain"):
+        ozo.check_restored(_as_mappings(same))
+    # a checkpoint from before leaf_keys, restored with partial_restore=True: the fix is named
+    fresh = jax.vmap(tx.init, axis_name=AXIS)(params)
+    old = _with_leaf_keys(same, lambda k: jax.ShapeDtypeStruct(k.shape, k.dtype))
+    with pytest.raises(ValueError, match=r"leaf_keys hold no values.*jax.tree.map\(lambda r, f"):
+        ozo.check_restored(old)
+    fixed = jax.tree.map(
+        lambda r, f: f if isinstance(r, jax.ShapeDtypeStruct) else r, old, fresh
+    )  # the recipe the error gives
+    ozo.check_restored(fixed, schedule)
     # the same tree goes on where it was
     params, resumed = run(params, same, params)
     assert ozo.step_count(resumed) == 7
+
+
+def _as_mappings(x):
+    """``x`` as a checkpoint restored without a target gives it: states as plain dicts."""
+    if hasattr(x, "_asdict"):
+        return {key: _as_mappings(value) for key, value in x._asdict().items()}
+    if isinstance(x, tuple | list):
+        return {str(i): _as_mappings(value) for i, value in enumerate(x)}
+    return np.asarray(x)
+
+
+def _with_leaf_keys(state, change):
+    """``state`` with each FlattenState's leaf_keys replaced by ``change(leaf_keys)``."""
+    flat = ozo.core.wrappers.FlattenState
+    return jax.tree.map(
+        lambda n: n._replace(leaf_keys=change(n.leaf_keys)) if isinstance(n, flat) else n,
+        state,
+        is_leaf=lambda x: isinstance(x, flat),
+    )

@@ -193,43 +193,74 @@ def flatten_over(
     return _checks.transformation(init_fn, update_fn, FlattenState, "this optimizer")
 
 
-def check_leaf_keys(state: Any) -> None:
+def check_leaf_keys(state: Any, fresh: Any = None) -> None:
     """Raises ``ValueError`` if a :class:`FlattenState` in ``state`` holds leaves saved for
-    another tree than its layout's (one small read per such state).
+    another tree than its layout's, or than ``fresh``'s (one small read per such state).
 
     A checkpoint restores the flat buffers by position: restored into the state of a tree whose
     leaves were renamed (so that they sort in another order) or reshaped, each leaf's moments,
     anchor and error buffers would land on another leaf, silently (``optax.adam``'s restore
     fails on the names instead). The state keeps a fingerprint of each leaf's path and shape
     from its ``init``; the restore brings the saved ones, the layout is the tree's now.
+
+    Args:
+      state: a restored optimizer state (concrete arrays).
+      fresh: another state of the same optimizer (``reset_compression``'s ``fresh_state``,
+        for another worker count) whose leaves must be those of ``state``, if any.
     """
-    for node in _graph.nodes_of(state, FlattenState):
+    nodes = _graph.nodes_of(state, FlattenState)
+    others = None if fresh is None else _graph.nodes_of(fresh, FlattenState)
+    for i, node in enumerate(nodes):
         layout = find_layout(node.inner_state)
         if layout is None or not layout.paths:
             continue
-        keys = node.leaf_keys
-        if isinstance(keys, jax.core.Tracer) or not hasattr(keys, "__array__"):
-            raise ValueError(
-                "check_leaf_keys reads the restored state's values: pass the restored state "
-                "itself (concrete arrays), not its shapes or a traced value."
-            )
-        count = len(layout.paths)
-        saved = _graph.first_values(keys, count)
-        want = np.asarray(leaf_keys(layout))
-        if saved.shape == want.shape and np.array_equal(saved, want):
-            continue
-        moved = [i for i in range(count) if i >= saved.size or saved[i] != want[i]]
-        names = ", ".join(f"{layout.paths[i]} {layout.shapes[i]}" for i in moved[:6])
-        more = f" and {len(moved) - 6} more" if len(moved) > 6 else ""
-        raise ValueError(
-            f"The optimizer state was saved for another parameter tree: at {len(moved)} of its "
-            f"{count} leaf positions the saved leaf's name or shape is not that of this tree's "
-            f"leaf there ({names}{more}). A checkpoint restores the flat buffers by position, "
-            "not by name, so each of these leaves would get another leaf's moments (and anchor and "
-            "error buffers). Restore with the params tree the state was saved with (the same "
-            "leaf names and shapes), or, to go on with this tree, start the optimizer afresh "
-            "from the restored params (tx.init(params)): the moments are lost, the params kept."
+        saved = _saved_keys(node.leaf_keys, len(layout.paths))
+        _refuse_other_leaves(
+            saved, layout, "The optimizer state was saved for another parameter tree"
         )
+        if others is not None and i < len(others):
+            theirs = find_layout(others[i].inner_state)
+            if theirs is not None and theirs.paths:
+                what = "fresh_state was made for another parameter tree than opt_state"
+                _refuse_other_leaves(saved, theirs, what)
+
+
+def _saved_keys(keys: Any, count: int) -> np.ndarray:
+    if isinstance(keys, jax.ShapeDtypeStruct):
+        raise ValueError(
+            "The optimizer state's leaf_keys hold no values (a ShapeDtypeStruct), as a "
+            "checkpoint written before the state kept them (optax_zero_one 0.2.0 and before) "
+            "restored with partial_restore=True leaves them. If the params tree is the one it "
+            "was saved with, take them from this run's fresh state: restored = jax.tree.map("
+            "lambda r, f: f if isinstance(r, jax.ShapeDtypeStruct) else r, restored, "
+            "fresh_state) (docs/reliability.md)."
+        )
+    if isinstance(keys, jax.core.Tracer) or not hasattr(keys, "__array__"):
+        raise ValueError(
+            "The restore check reads the optimizer state's values: call it on the restored "
+            f"state itself, outside jit (its leaf_keys are {type(keys).__name__})."
+        )
+    return _graph.first_values(keys, count)
+
+
+def _refuse_other_leaves(saved: np.ndarray, layout: Layout, what: str) -> None:
+    want = np.asarray(leaf_keys(layout))
+    count = want.size
+    if saved.shape == want.shape and np.array_equal(saved, want):
+        return
+    moved = [i for i in range(count) if i >= saved.size or saved[i] != want[i]]
+    names = ", ".join(f"{layout.paths[i]} {layout.shapes[i]}" for i in moved[:6])
+    more = f" and {len(moved) - 6} more" if len(moved) > 6 else ""
+    raise ValueError(
+        f"{what}: at {len(moved)} of its {count} leaf positions the "
+        f"saved leaf's name or shape is not that of this tree's leaf there ({names}{more}; "
+        "shapes as the optimizer sees them: on a model-sharded mesh, each device's piece). A "
+        "checkpoint restores the flat buffers by position, not by name, so each of these "
+        "leaves would get another leaf's moments (and anchor and error buffers). Restore with "
+        "the params tree the state was saved with (the same leaf names and shapes), or, to go "
+        "on with this tree, start the optimizer afresh from the restored params "
+        "(tx.init(params)): the moments are lost, the params kept."
+    )
 
 
 def _flat_buffers_as_leaves(state: Any) -> Any:

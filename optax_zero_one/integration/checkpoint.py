@@ -188,6 +188,7 @@ def check_restored(opt_state: Any, schedule: kinds.StepSchedule | None = None) -
       Traceback (most recent call last):
       ValueError: The optimizer state was saved for another parameter tree: ...
     """
+    _graph.check_not_nnx_state(opt_state, "check_restored")
     wrappers.check_leaf_keys(opt_state)
     if schedule is not None:
         kinds.check_schedule(opt_state, schedule)
@@ -260,7 +261,8 @@ def reset_compression(
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009; DeepSpeed's load path resets the same buffers.
     """
-    wrappers.check_leaf_keys(opt_state)  # moved by position: the leaves must be the tree's
+    # moved by position: the leaves must be the tree's, and fresh_state's
+    wrappers.check_leaf_keys(opt_state, fresh_state)
     if _graph.nodes_of(opt_state, workers.ShardLocalState):
         raise ValueError(
             "reset_compression got the state of DataParallel.optimizer on a model-sharded mesh "

@@ -38,7 +38,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one.core import _checks, _graph
+from optax_zero_one.core import _checks, _graph, wrappers
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
@@ -458,6 +458,7 @@ class DataParallel:
         def check(params: Any, opt_state: Any, batch: Any) -> None:
             self.check_worker_layout(params, "params")
             self.check_worker_layout(opt_state, "opt_state")
+            wrappers.check_leaf_keys(opt_state)  # a state restored for another tree
             self._check_batch(batch)
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
