@@ -313,6 +313,39 @@ def test_worker_count_reads_an_orbax_checkpoints_metadata(tmp_path):
     np.testing.assert_array_equal(new[1][0].trace["w"], np.ones((2, 10)))
 
 
+def test_a_loop_s_own_scalars_beside_the_state_do_not_make_it_one_worker_s(tmp_path):
+    """A checkpoint item {"step": 2, "params": ..., "opt_state": ...} of 4 workers was taken
+    for one worker's (any scalar leaf counted): "saved by 1 worker, but this run has 4", and a
+    check for 1 worker passed (an audit). The state's own counters decide now; num_workers is
+    checked."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = ozo.replicate({"a": jnp.ones((3, 2)), "b": jnp.ones(5)}, 4)
+    txs = (
+        ozo.zero_one_adam(1e-2, axis_name=AXIS),
+        ozo.diloco(optax.adamw(1e-2), optax.sgd(0.7), 2, AXIS),
+    )
+    for i, tx in enumerate(txs):
+        item = {
+            "step": np.asarray(2),
+            "params": params,
+            "opt_state": jax.vmap(tx.init, axis_name=AXIS)(params),
+        }
+        path = tmp_path / str(i)
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(path, item)
+        checkpointer.wait_until_finished()
+        for tree in (item, checkpointer.metadata(path)):
+            assert ozo.worker_count(tree) == 4
+            ozo.check_worker_count(tree, 4)
+            with pytest.raises(ValueError, match="saved by 4 workers, but this run has 1"):
+                ozo.check_worker_count(tree, 1)
+    one = ozo.zero_one_adam(1e-2).init({"a": jnp.ones((3, 2))})  # one worker's: scalar counters
+    assert ozo.worker_count({"step": np.asarray(2), "opt_state": one}) == 1
+    for bad in ("4", None, 0, 4.0, True):
+        with pytest.raises(ValueError, match="num_workers must be a positive int"):
+            ozo.check_worker_count(item, bad)
+
+
 def _local_step_states(state):
     found = []
     jax.tree.map(

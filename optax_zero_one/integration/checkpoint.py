@@ -42,10 +42,21 @@ def _items(tree: Any) -> Any:
 
 
 def _one_worker(tree: Any) -> bool:
-    """Whether ``tree`` is one worker's, without a worker axis: it has a scalar leaf (a state in
-    the worker layout has none; one worker's optimizer state has its scalar counters)."""
-    leaves = jax.tree.leaves(_items(tree))
-    return any(not tuple(getattr(leaf, "shape", np.shape(leaf))) for leaf in leaves)
+    """Whether ``tree`` is one worker's, without a worker axis: its step counters (the leaves
+    named ``count``, optax's and this library's) are scalars, where a state in the worker
+    layout has one per worker. A tree without counters is one worker's if it has a scalar leaf.
+    Other scalars (a training loop's own ``step`` saved beside the state) say nothing."""
+    leaves = jax.tree_util.tree_leaves_with_path(_items(tree))
+    counters = [leaf for path, leaf in leaves if path and _key_name(path[-1]) == "count"]
+    return any(not _shape(leaf) for leaf in counters or [leaf for _, leaf in leaves])
+
+
+def _key_name(key: Any) -> Any:
+    return getattr(key, "name", getattr(key, "key", None))
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(getattr(leaf, "shape", np.shape(leaf)))
 
 
 def worker_count(tree: Any) -> int:
@@ -74,8 +85,9 @@ def worker_count(tree: Any) -> int:
         return 1
     counts: dict[int, str] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree)):
-        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        counts.setdefault(shape[0], _checks.leaf_name(path))
+        shape = _shape(leaf)
+        if shape:  # a scalar beside a worker-layout state: the loop's own (a step number)
+            counts.setdefault(shape[0], _checks.leaf_name(path))
     if not counts:
         raise ValueError("The tree holds no arrays, so it says nothing about the worker count.")
     if len(counts) > 1:
@@ -125,6 +137,13 @@ def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
         )
     if pair:
         num_workers = (int(num_workers[0]), int(num_workers[1]))
+    elif isinstance(num_workers, bool) or not (
+        isinstance(num_workers, int | np.integer) and num_workers >= 1
+    ):
+        raise ValueError(
+            f"num_workers must be a positive int (this run's worker count) or the pair (nodes, "
+            f"per_node) of a hierarchical run, got {num_workers!r}."
+        )
     if not jax.tree.leaves(_items(tree)):
         return
     saved = worker_count(tree)
