@@ -618,3 +618,26 @@ def test_float64_params_under_x64_keep_a_float64_state(name):
         ]
         assert buffers and {x.dtype for x in buffers} == {jnp.dtype(jnp.float64)}
         assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(p))
+
+
+def test_schedules_and_their_checks_refuse_what_is_not_theirs():
+    """A bad-input audit: StepSchedule took anything as a policy (failing at the first kind()
+    with an AttributeError), and check_schedule passed silently with its arguments swapped, with
+    the params instead of a state, and with 1-bit Adam's schedule for a 0/1 Adam state."""
+    with pytest.raises(ValueError, match="variance_policy must be a policy object"):
+        ozo.StepSchedule(1000)
+    with pytest.raises(ValueError, match="variance_policy must be a policy object.*LocalStep"):
+        ozo.StepSchedule(ozo.LocalStepDoubling(), ozo.VarianceDoubling(4))
+    with pytest.raises(ValueError, match="got the class SyncEvery: build one"):
+        ozo.local_step_schedule(ozo.SyncEvery)
+    params = {"w": jnp.ones(4)}
+    state = ozo.zero_one_adam(1e-2, var_freeze_step=4).init(params)
+    schedule = ozo.zero_one_schedule(var_freeze_step=4)
+    ozo.check_schedule(state, schedule)
+    for check in (ozo.check_schedule, ozo.step_kind):
+        with pytest.raises(TypeError, match=r"takes the optimizer's StepSchedule second.*swapped"):
+            check(schedule, state)
+    with pytest.raises(ValueError, match="holds no step counter"):
+        ozo.check_schedule(params, schedule)
+    with pytest.raises(ValueError, match="has local steps .* not this optimizer's schedule"):
+        ozo.check_schedule(state, ozo.onebit_schedule(4))

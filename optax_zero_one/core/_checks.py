@@ -482,6 +482,11 @@ def check_state_type(state: Any, expected: type, optimizer: str) -> None:
 def check_policy(name: str, policy: Any, method: str, example: str) -> None:
     """Raises ``ValueError`` naming ``name`` unless ``policy`` has ``init``, ``next`` and
     ``method`` (a policy of :mod:`~optax_zero_one.core.policies`, or one written alike)."""
+    if isinstance(policy, type):
+        raise ValueError(
+            f"{name} must be a policy object, got the class {policy.__name__}: build one, "
+            f"e.g. {example}."
+        )
     if not all(callable(getattr(policy, m, None)) for m in ("init", "next", method)):
         raise ValueError(
             f"{name} must be a policy object with init(), {method}(state, k) and next(state, k), "

@@ -117,7 +117,14 @@ class StepSchedule:
     _walk: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        _checks.check_variance_policy(self.variance_policy)
         if self.local_step_policy is not None:
+            _checks.check_policy(
+                "local_step_policy",
+                self.local_step_policy,
+                "is_sync_step",
+                "ozo.LocalStepDoubling(scaler=32678, clipper=16) or ozo.SyncEvery(50)",
+            )
             return
         # Without a local-step policy the kinds are 1-bit Adam's: every step up to the freeze
         # a full-precision warm-up, then "compressed" (phase B). A policy with other steps
@@ -365,10 +372,18 @@ def check_schedule(
       count: the state's step count, if already read (else read here).
       walk: the host's walk of ``schedule`` to advance (a dispatcher's own), if any.
     """
+    _check_schedule_argument("check_schedule", state, schedule)
+    count = step_count(state) if count is None else count  # raises for a tree without one
     nodes = _graph.walked_states(state)
-    if not nodes or schedule.local_step_policy is None:
+    if nodes and schedule.local_step_policy is None:
+        raise ValueError(
+            f"The optimizer state has local steps ({type(nodes[0]).__name__}), but the schedule "
+            "has no local-step policy (1-bit Adam's kinds): it is not this optimizer's schedule. "
+            "Build it from the optimizer's own arguments (ozo.zero_one_schedule(...), "
+            "ozo.diloco_schedule(...), ozo.local_step_schedule(...))."
+        )
+    if not nodes:
         return
-    count = step_count(state) if count is None else count
     walk = _Walk(schedule) if walk is None else walk
     walk.kind(count + 1)  # the policies advanced through step `count`, as the optimizer did
     begun = count > walk.freeze
@@ -393,6 +408,16 @@ def check_schedule(
             )
 
 
+def _check_schedule_argument(name: str, state: Any, schedule: Any) -> None:
+    if not isinstance(schedule, StepSchedule):
+        swapped = " (the arguments swapped?)" if isinstance(state, StepSchedule) else ""
+        raise TypeError(
+            f"{name}(opt_state, schedule) takes the optimizer's StepSchedule second, e.g. "
+            f"ozo.zero_one_schedule(...), got a {type(schedule).__name__}{swapped}."
+        )
+
+
 def step_kind(state: Any, schedule: StepSchedule) -> StepKind:
     """The kind of the next update of ``state`` (host side: reads the counter once)."""
+    _check_schedule_argument("step_kind", state, schedule)
     return schedule.kind(step_count(state) + 1)
