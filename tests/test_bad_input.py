@@ -641,3 +641,32 @@ def test_schedules_and_their_checks_refuse_what_is_not_theirs():
         ozo.check_schedule(params, schedule)
     with pytest.raises(ValueError, match="has local steps .* not this optimizer's schedule"):
         ozo.check_schedule(state, ozo.onebit_schedule(4))
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        (lambda step, total: 1e-3, "cannot be called with one argument"),
+        (lambda count: None, "must return a real scalar"),
+        (lambda count: "1e-3", "must return a real scalar"),
+        (lambda count: count < 10, "must return a real scalar"),
+        (lambda count: jnp.asarray(1e-3 + 0j), "must return a real scalar"),
+        (lambda count: -1e-2 + 0 * count, "rate at step count 0 is -0.0"),
+        (lambda count: jnp.where(count == 0, jnp.nan, 1e-2), "rate at step count 0 is nan"),
+    ],
+)
+def test_a_learning_rate_schedule_is_checked_at_construction(schedule, message):
+    """A bad-input audit: a schedule was only shape-checked, its trace's errors swallowed, so a
+    wrong signature or a None result failed inside optax at update, a bool or complex result
+    ran cast, and a negative or NaN rate trained (a NaN poisons 0/1 Adam's lr_sum for good)."""
+    for build in (ozo.zero_one_adam, ozo.onebit_adam):
+        with pytest.raises(ValueError, match=message):
+            build(schedule)
+
+
+def test_a_schedule_that_branches_on_the_count_in_python_is_left_to_the_trace():
+    def schedule(count):  # fine on a concrete count, fails where the update is traced (optax too)
+        return 1e-3 if count < 10 else 1e-4
+
+    ozo.zero_one_adam(schedule)  # accepted, as optax.adam(schedule) is
+    ozo.zero_one_adam(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100))  # 0 at count 0

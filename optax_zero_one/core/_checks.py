@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -94,15 +95,7 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
 def check_learning_rate(learning_rate: Any) -> None:
     """A float >= 0, an array (e.g. injected), or a schedule (callable) of a scalar."""
     if callable(learning_rate):
-        try:  # its shape only, traced on an abstract count (nothing runs)
-            shape = jax.eval_shape(learning_rate, jax.ShapeDtypeStruct((), jnp.int32)).shape
-        except Exception:  # noqa: BLE001 (not traceable alone, e.g. a Python if on the count:
-            return  # it fails where the update is traced, as in optax)
-        if shape != ():
-            raise ValueError(
-                f"learning_rate is a schedule returning shape {shape}: it must return a scalar "
-                "(one rate for every parameter), e.g. optax.cosine_decay_schedule(1e-3, 10_000)."
-            )
+        _check_schedule(learning_rate)
         return
     if isinstance(learning_rate, jax.Array | np.ndarray) and np.ndim(learning_rate) != 0:
         raise ValueError(
@@ -117,6 +110,65 @@ def check_learning_rate(learning_rate: Any) -> None:
             f"learning_rate must be a float or an optax.Schedule, got {learning_rate!r}."
         )
     check_range("learning_rate", learning_rate, 0.0, float("inf"), high_open=True)
+
+
+# what tracing a schedule on an abstract count raises when the schedule branches on its value
+# in Python (it fails where the update is traced, as in optax): not the schedule's fault here
+_TRACER_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def _check_schedule(schedule: Any) -> None:
+    """A learning-rate schedule takes the step count and returns a real scalar, finite and >= 0
+    at count 0 (traced on an abstract count for its shape; called on 0 for its value)."""
+    example = "e.g. optax.cosine_decay_schedule(1e-3, 10_000)"
+    try:
+        inspect.signature(schedule).bind(0)
+    except TypeError:
+        raise ValueError(
+            f"learning_rate is a schedule that cannot be called with one argument (the step "
+            f"count): {schedule!r}; {example}."
+        ) from None
+    except ValueError:  # no signature to read (a builtin): let the calls below say
+        pass
+    try:
+        out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+    except _TRACER_ERRORS:
+        return
+    except TypeError as e:  # e.g. a result that is not an array (a str)
+        raise ValueError(
+            f"learning_rate is a schedule that must return a real scalar (a float or a float "
+            f"array of shape ()), {example}; calling it on a step count failed: {e}"
+        ) from None
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if (
+        shape is None
+        or dtype is None
+        or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+    ):
+        raise ValueError(
+            f"learning_rate is a schedule returning {out!r}: it must return a real scalar (a "
+            f"float or a float array of shape ()), {example}."
+        )
+    if shape != ():
+        raise ValueError(
+            f"learning_rate is a schedule returning shape {shape}: it must return a scalar "
+            f"(one rate for every parameter), {example}."
+        )
+    try:
+        first = schedule(jnp.zeros((), jnp.int32))
+        value = float(first)
+    except (*_TRACER_ERRORS, TypeError):
+        return  # not concrete (built while tracing): the value is the graph's
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"learning_rate is a schedule whose rate at step count 0 is {value}: a rate must be "
+            "finite and >= 0 (a NaN would reach every worker's params and the state for good; "
+            "a negative one climbs the loss)."
+        )
 
 
 def check_axis_name(axis_name: Any) -> None:
