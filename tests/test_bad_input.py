@@ -670,3 +670,23 @@ def test_a_schedule_that_branches_on_the_count_in_python_is_left_to_the_trace():
 
     ozo.zero_one_adam(schedule)  # accepted, as optax.adam(schedule) is
     ozo.zero_one_adam(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100))  # 0 at count 0
+
+
+def test_worker_layout_helpers_refuse_a_tree_in_the_other_layout():
+    """A bad-input audit: dp.to_workers stacked a second worker axis on a tree already in the
+    worker layout (dp.init and dp.jit then trained an N-times larger model), and unreplicate
+    returned the first row of every leaf of a tree without a worker axis."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = {"w": jnp.zeros((4,))}
+    dp = ozo.data_parallel(mesh, params, "data")
+    workers = dp.to_workers(params)
+    assert workers["w"].shape == (4, 4)
+    with pytest.raises(ValueError, match=r"\['w'\] of shape \(4, 4\) is already sharded over"):
+        dp.to_workers(workers)
+    one = {"a": jnp.arange(6.0).reshape(3, 2), "b": jnp.arange(5.0)}
+    with pytest.raises(ValueError, match=r"leading axes disagree \(3 at \['a'\], 5 at \['b'\]\)"):
+        ozo.unreplicate(one)
+    for worker in (True, 1.5, "1"):
+        with pytest.raises(ValueError, match="worker must be an int"):
+            ozo.unreplicate(ozo.replicate(one, 4), worker)
+    np.testing.assert_array_equal(ozo.unreplicate(ozo.replicate(one, 4), 2)["b"], one["b"])

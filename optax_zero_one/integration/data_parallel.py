@@ -156,6 +156,18 @@ class DataParallel:
 
         @distributed.outside_user_mesh
         def one(path: Any, x: Any, spec: P) -> jax.Array:
+            placed = getattr(x, "sharding", None)
+            if isinstance(placed, NamedSharding) and set(_names(self.data_axis)) & _spec_axes(
+                placed.spec
+            ):
+                raise ValueError(
+                    f"leaf {_checks.leaf_name(path)} of shape {np.shape(x)} is already sharded "
+                    f"over the data axis ({placed.spec}): the tree is in the worker layout "
+                    "(dp.to_workers' output, or a worker-layout checkpoint restored onto the "
+                    "mesh), and a second worker axis would be stacked on it. Pass it to dp.init "
+                    "and dp.jit as it is; dp.from_workers or dp.synchronized_params give the "
+                    "user layout."
+                )
             self._check_divides(path, np.shape(x), spec)
             sharding = NamedSharding(self.mesh, spec)
             if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)):

@@ -82,6 +82,23 @@ def unreplicate(tree: Any, worker: int | None = None) -> Any:
       (3,)
     """
 
+    if worker is not None and (
+        isinstance(worker, bool | np.bool_) or not isinstance(worker, int | np.integer)
+    ):
+        raise ValueError(f"worker must be an int (a worker's index), got {worker!r}.")
+    leading: dict[int, str] = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if np.ndim(x):
+            leading.setdefault(np.shape(x)[0], _checks.leaf_name(path))
+    if len(leading) > 1:
+        found = ", ".join(f"{n} at {where}" for n, where in leading.items())
+        raise ValueError(
+            f"unreplicate needs the worker layout (one leading worker axis on every leaf), but "
+            f"the leaves' leading axes disagree ({found}): the tree is one worker's already (or "
+            "a mix), and its first rows would come back. Pass the tree ozo.replicate or the "
+            "mapped step made."
+        )
+
     def one(x: Any) -> Any:
         if np.ndim(x) == 0:
             raise ValueError(
