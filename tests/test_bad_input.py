@@ -690,3 +690,22 @@ def test_worker_layout_helpers_refuse_a_tree_in_the_other_layout():
         with pytest.raises(ValueError, match="worker must be an int"):
             ozo.unreplicate(ozo.replicate(one, 4), worker)
     np.testing.assert_array_equal(ozo.unreplicate(ozo.replicate(one, 4), 2)["b"], one["b"])
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: ozo.zero_one_adam(1e-2, b1=(0.9, 0.999)), r"b1 must be .*betas=\(b1, b2\)"),
+        (lambda: ozo.onebit_adam(1e-2, weight_decay=[0.1]), r"weight_decay must be .*\[0.1\]"),
+        (lambda: ozo.scale_by_frozen_variance_adam(ozo.VarianceDoubling(100)), "b1 must be"),
+        (lambda: ozo.zero_one_adam(1e-2, b1=jnp.full(16, 0.9)), r"array of shape \(16,\)\.$"),
+        (lambda: ozo.zero_one_adam(1e-2, eps=jnp.full(2, 1e-8)), r"eps .*shape \(2,\)"),
+    ],
+)
+def test_adam_coefficients_must_be_scalars(build, message):
+    """A bad-input audit: b1, b2, eps and weight_decay were range-checked only as numbers, so a
+    tuple (PyTorch's betas), a list, a policy passed positionally or a vector built and failed
+    at update, deep in JAX."""
+    with pytest.raises(ValueError, match=message):
+        build()
+    optax.inject_hyperparams(ozo.zero_one_adam)(1e-2, b1=0.9, weight_decay=0.1)  # scalar arrays

@@ -77,6 +77,18 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
     if isinstance(value, bool | np.bool_ | str) or value is None:
         raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}.")
     dtype = getattr(value, "dtype", None)
+    is_array = isinstance(value, jax.Array | np.ndarray | np.generic)
+    if not (is_static_number(value) or is_array) or (is_array and np.ndim(value) != 0):
+        shape = f"an array of shape {np.shape(value)}" if is_array else repr(value)
+        raise ValueError(
+            f"{name} must be a number in [{low}, {high}{bracket} (one scalar; an injected "
+            f"hyperparameter is a scalar array), got {shape}"
+            + (
+                ". PyTorch's betas=(b1, b2) are two arguments here."
+                if name == "b1" and isinstance(value, tuple | list)
+                else "."
+            )
+        )
     value = concrete_number(value)
     if not is_static_number(value):
         return
