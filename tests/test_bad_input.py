@@ -709,3 +709,20 @@ def test_adam_coefficients_must_be_scalars(build, message):
     with pytest.raises(ValueError, match=message):
         build()
     optax.inject_hyperparams(ozo.zero_one_adam)(1e-2, b1=0.9, weight_decay=0.1)  # scalar arrays
+
+
+def test_wrappers_check_their_inner_transform_and_rule_at_construction():
+    """A bad-input audit: flatten and skip_not_finite took None or an uncalled optax.adam and
+    failed at init with optax's AttributeError; local_step_sync took a rule that was a name or
+    a class and failed in the update."""
+    for wrap in (ozo.flatten, ozo.skip_not_finite):
+        with pytest.raises(TypeError, match="'adam' looks like an optimizer's factory: call it"):
+            wrap(optax.adam)
+        with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
+            wrap(None)
+    for rule, message in (
+        ("params_average", "sync rule object with"),
+        (ozo.ParamsAverage, "the class"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ozo.local_step_sync(optax.sgd(0.1), ozo.SyncEvery(4), AXIS, rule=rule)

@@ -577,10 +577,10 @@ _TRANSFORMATION_EXAMPLES = {
 }
 
 
-def check_transformation(name: str, tx: Any) -> Any:
-    """``tx`` (``None`` stays ``None``) with extra-args support, or a ``TypeError`` naming
-    ``name`` if it is not an optax transformation."""
-    if tx is None:
+def check_transformation(name: str, tx: Any, *, optional: bool = True) -> Any:
+    """``tx`` (``None`` stays ``None`` where ``optional``) with extra-args support, or a
+    ``TypeError`` naming ``name`` if it is not an optax transformation."""
+    if tx is None and optional:
         return None
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         example = _TRANSFORMATION_EXAMPLES.get(name, "optax.sgd(0.1)")

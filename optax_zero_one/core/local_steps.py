@@ -341,7 +341,8 @@ def local_step_sync_over(
     axes = comm.axes
     _checks.check_int("start_step", start_step, 0)
     exact = comm.exact
-    rule = rule or ParamsAverage()
+    rule = ParamsAverage() if rule is None else rule
+    _check_rule(rule)
     inner = optax.with_extra_args_support(inner)
     outer = _checks.check_transformation("outer", outer)
     # Whether the first step after start_step is a sync whatever happens (LocalStepDoubling's
@@ -531,6 +532,25 @@ def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any
         return jax.tree.map(jnp.zeros_like, updates)  # nothing to optimise
     _checks.check_tree_matches(params, state.anchor, "params", "the optimizer state")
     return params
+
+
+_RULE_METHODS = ("learning_rate_at", "weight", "after_sync", "errors")
+
+
+def _check_rule(rule: Any) -> None:
+    """Raises ``ValueError`` unless ``rule`` is a sync rule object (:class:`ParamsAverage`'s
+    methods), not its class or a name."""
+    example = "ozo.ParamsAverage() or ozo.MomentumAverage(learning_rate)"
+    if isinstance(rule, type):
+        raise ValueError(
+            f"rule must be a sync rule object, got the class {rule.__name__}: "
+            f"build one, e.g. {example}."
+        )
+    if not all(callable(getattr(rule, m, None)) for m in _RULE_METHODS):
+        raise ValueError(
+            f"rule must be a sync rule object with {', '.join(_RULE_METHODS)} (e.g. {example}), "
+            f"got {rule!r}."
+        )
 
 
 def _payload(rule: Any, inner_state: Any, anchor: Any, x: Any, step: Any, first: Any) -> Any:

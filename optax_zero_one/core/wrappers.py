@@ -142,7 +142,7 @@ def flatten_over(
 ) -> optax.GradientTransformationExtraArgs:
     """:func:`flatten` for the workers of a checked :class:`~optax_zero_one.core.comm.Comm`."""
     axes = comm.axes
-    inner = optax.with_extra_args_support(inner)
+    inner = _checks.check_transformation("inner", inner, optional=False)
 
     def init_fn(params: optax.Params) -> FlattenState:
         _checks.check_float_leaves(params, "params")
@@ -320,7 +320,7 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
       >>> tx = skip_not_finite(optax.chain(ozo.scheduled_mean("w", policy), optax.sgd(0.1)))
     """
 
-    inner = optax.with_extra_args_support(inner)
+    inner = _checks.check_transformation("inner", inner, optional=False)
 
     def init_fn(params: optax.Params) -> SkipNotFiniteState:
         return SkipNotFiniteState(jnp.zeros([], jnp.int32), inner.init(params))
