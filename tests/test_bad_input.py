@@ -726,3 +726,17 @@ def test_wrappers_check_their_inner_transform_and_rule_at_construction():
     ):
         with pytest.raises(ValueError, match=message):
             ozo.local_step_sync(optax.sgd(0.1), ozo.SyncEvery(4), AXIS, rule=rule)
+
+
+def test_dispatch_by_kind_checks_compile_kind():
+    """A bad-input audit: None, or the jitted step itself instead of a function of the kind,
+    was taken and failed at the first step ("'NoneType' object is not callable", JAX's "Error
+    interpreting argument ... as an abstract array"); so did a compile_kind returning None."""
+    schedule = ozo.zero_one_schedule(var_freeze_step=4)
+    for bad in (None, jax.jit(lambda p, s, g: (p, s))):
+        with pytest.raises(ValueError, match="compile_kind must be a function from a step kind"):
+            ozo.dispatch_by_kind(bad, schedule)
+    params = {"w": jnp.ones(4)}
+    run = ozo.dispatch_by_kind(lambda kind: None, schedule)
+    with pytest.raises(ValueError, match=r"compile_kind\('variance'\) returned None"):
+        run(params, ozo.zero_one_adam(1e-2, var_freeze_step=4).init(params), params)

@@ -284,6 +284,13 @@ class KindDispatcher:
                 f"dispatch_by_kind needs an optax_zero_one.StepSchedule (e.g. "
                 f"ozo.zero_one_schedule(...)), got {schedule!r}."
             )
+        if not callable(compile_kind) or hasattr(compile_kind, "lower"):
+            what = "a jitted step" if callable(compile_kind) else repr(compile_kind)
+            raise ValueError(
+                f"dispatch_by_kind's compile_kind must be a function from a step kind to that "
+                f"kind's step program, e.g. lambda kind: jax.jit(functools.partial(step, "
+                f"step_kind=kind)); got {what}."
+            )
         if not isinstance(lag, int) or lag < 1:
             raise ValueError(f"lag must be an int >= 1, got {lag!r}.")
         if not isinstance(check_every, int) or check_every < 1:
@@ -343,6 +350,11 @@ class KindDispatcher:
         return self.programs[kind.name]
 
     def _install(self, name: str, raw: Callable[..., Any]) -> None:
+        if not callable(raw):
+            raise ValueError(
+                f"compile_kind({name!r}) returned {raw!r}: it must return the step program of "
+                "that kind (a function; jitted)."
+            )
         self._raw[name] = raw
         self.programs[name] = (lambda *a: raw(*a)[0]) if self._counted else raw
 
