@@ -740,3 +740,31 @@ def test_dispatch_by_kind_checks_compile_kind():
     run = ozo.dispatch_by_kind(lambda kind: None, schedule)
     with pytest.raises(ValueError, match=r"compile_kind\('variance'\) returned None"):
         run(params, ozo.zero_one_adam(1e-2, var_freeze_step=4).init(params), params)
+
+
+@pytest.mark.parametrize("schedule", [None, "zero_one"], ids=["in-graph", "dispatched"])
+def test_dp_jit_names_the_step_s_contract(schedule):
+    """A bad-input audit: a step returning optax's usual pair (params, opt_state) failed with
+    JAX's "pytree structure error ... out_shardings ... tuple of length 3", results in another
+    order with "reshape requires ndarray ... NoneType"."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = {"w": jnp.ones(4)}
+    dp = ozo.data_parallel(mesh, params, "data")
+    tx = dp.optimizer(ozo.zero_one_adam(1e-2, axis_name="data", var_freeze_step=4))
+    schedule = ozo.zero_one_schedule(var_freeze_step=4) if schedule else None
+
+    def pair(p, s, x, **kind):
+        u, s = tx.update(jax.tree.map(lambda w: w * x.sum(), p), s, p, **kind)
+        return optax.apply_updates(p, u), s
+
+    def swapped(p, s, x, **kind):
+        p, s = pair(p, s, x, **kind)
+        return s, p, None
+
+    pw = dp.to_workers(params)
+    for step, message in (
+        (pair, "must return .* got a tuple of 2"),
+        (swapped, "returned as its first value a tree unlike the params"),
+    ):
+        with pytest.raises(ValueError, match=r"dp.jit's step " + message):
+            dp.jit(step, schedule=schedule, donate=False)(pw, dp.init(tx, pw), jnp.ones((4, 2)))

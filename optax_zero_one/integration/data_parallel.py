@@ -475,7 +475,8 @@ class DataParallel:
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
             one = self._on_workers(
-                step if kind is None else functools.partial(step, step_kind=kind), kind is not None
+                functools.partial(_checked_step, step, {} if kind is None else {"step_kind": kind}),
+                kind is not None,
             )
 
             def whole(params: Any, opt_state: Any, batch: Any) -> Any:
@@ -700,6 +701,34 @@ def data_parallel(
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _checked_step(
+    step: Callable[..., Any], kwargs: dict, params: Any, opt_state: Any, batch: Any
+) -> Any:
+    """``step(params, opt_state, batch, **kwargs)``, its result checked (while tracing) against
+    dp.jit's contract, ``(params, opt_state, aux)`` in that order: JAX's error for another
+    shape names out_shardings and tuple lengths, not the step."""
+    out = step(params, opt_state, batch, **kwargs)
+    if not isinstance(out, tuple | list) or len(out) != 3:
+        got = (
+            f"a {type(out).__name__} of {len(out)}"
+            if isinstance(out, tuple | list)
+            else type(out).__name__
+        )
+        raise ValueError(
+            f"dp.jit's step must return (params, opt_state, aux), got {got}. Return the new "
+            "params and optimizer state and anything else per worker as aux (the loss; None "
+            "if nothing), e.g. return optax.apply_updates(params, updates), opt_state, loss."
+        )
+    for i, (what, given) in enumerate((("params", params), ("opt_state", opt_state))):
+        if jax.tree.structure(out[i]) != jax.tree.structure(given):
+            raise ValueError(
+                f"dp.jit's step returned as its {('first', 'second')[i]} value a tree unlike the "
+                f"{what} it was given: it must return (params, opt_state, aux) in that order, "
+                "the first two with the structure they came in with."
+            )
+    return out
 
 
 def _check_structure(tree: Any, specs: Any, what: str, specs_what: str) -> None:
