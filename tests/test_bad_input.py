@@ -768,3 +768,25 @@ def test_dp_jit_names_the_step_s_contract(schedule):
     ):
         with pytest.raises(ValueError, match=r"dp.jit's step " + message):
             dp.jit(step, schedule=schedule, donate=False)(pw, dp.init(tx, pw), jnp.ones((4, 2)))
+
+
+def test_reset_compression_refuses_params_for_fresh_state():
+    """A bad-input audit: the fresh params passed as fresh_state failed inside the move with
+    "TypeError: tuple indices must be integers or slices, not str"."""
+    params = {"a": jnp.ones((3, 2)), "b": jnp.ones((5,))}
+    tx = ozo.zero_one_adam(1e-2, axis_name=AXIS, var_freeze_step=2)
+    old = jax.vmap(tx.init, axis_name=AXIS)(ozo.replicate(params, 4))
+    with pytest.raises(ValueError, match=r"fresh_state holds no optimizer state \(the params\?\)"):
+        ozo.reset_compression(ozo.replicate(params, 4), old, ozo.replicate(params, 2))
+
+
+def test_schedule_kind_names_a_step_of_the_wrong_type_or_size():
+    """A bad-input audit: kind(jnp.asarray(3)) said "steps are numbered from 1" of a valid step
+    (its type was the problem), and kind(2**33) walked the policies for hours."""
+    schedule = ozo.zero_one_schedule(var_freeze_step=4)
+    for step in (jnp.asarray(3), 3.0):
+        with pytest.raises(ValueError, match=r"must be a Python or NumPy int.*int\(step\)"):
+            schedule.kind(step)
+    with pytest.raises(ValueError, match="beyond the optimizers' int32 step counters"):
+        schedule.kind(2**33)
+    assert schedule.kind(np.int64(3)) == schedule.kind(3)

@@ -583,6 +583,11 @@ def _hooked(state: Any, hook: str) -> list[tuple[type, Any]]:
     ]
 
 
+def state_nodes(state: Any) -> list[Any]:
+    """The named-tuple states in ``state`` (optax's and this library's), outermost first."""
+    return [n for n in _nodes(state) if isinstance(n, tuple) and hasattr(n, "_fields")]
+
+
 def _nodes(state: Any) -> Iterator[Any]:
     """Every node of ``state`` (states, tuples, lists, mappings and their entries, and the
     children of any other registered pytree node: a dataclass holding the optax state, as a

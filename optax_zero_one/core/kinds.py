@@ -202,7 +202,17 @@ class StepSchedule:
 
 def _check_step(step: Any) -> int:
     """``step`` as an int, if it is a step number (>= 1: the first update is step 1)."""
-    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise ValueError(
+            f"a step number must be a Python or NumPy int, got {step!r} (a "
+            f"{type(step).__name__}): pass int(step) (a device array is read back with int())."
+        )
+    if step > _checks.INT32_MAX:
+        raise ValueError(
+            f"step {step} is beyond the optimizers' int32 step counters (at most "
+            f"{_checks.INT32_MAX})."
+        )
+    if step < 1:
         raise ValueError(
             f"steps are numbered from 1 (the first update is step 1), got {step!r}. In a loop "
             "over i = 0, 1, ... ask for schedule.kind(i + 1), or ask the state: "

@@ -282,6 +282,13 @@ def reset_compression(
     """
     # moved by position: the leaves must be the tree's, and fresh_state's
     wrappers.check_leaf_keys(opt_state, fresh_state)
+    if _graph.state_nodes(opt_state) and not _graph.state_nodes(fresh_state):
+        raise ValueError(
+            "fresh_state holds no optimizer state (the params?): pass this run's freshly "
+            "initialised optimizer state third, reset_compression(params, opt_state, "
+            "fresh_state), e.g. jax.vmap(tx.init, axis_name=...)(ozo.replicate(params, M)) for "
+            "M workers."
+        )
     if _graph.nodes_of(opt_state, workers.ShardLocalState):
         raise ValueError(
             "reset_compression got the state of DataParallel.optimizer on a model-sharded mesh "
