@@ -790,3 +790,22 @@ def test_schedule_kind_names_a_step_of_the_wrong_type_or_size():
     with pytest.raises(ValueError, match="beyond the optimizers' int32 step counters"):
         schedule.kind(2**33)
     assert schedule.kind(np.int64(3)) == schedule.kind(3)
+
+
+def test_deepspeed_range_errors_name_the_config_key():
+    """A bad-input audit: a value out of range in a DeepSpeed config was reported under the
+    library's argument ("b2 must be in [0.0, 1.0)") instead of the key the user wrote."""
+    for params, key in (
+        ({"lr": -1e-3}, "lr"),
+        ({"betas": [0.9, 1.5]}, r"betas\[1\]"),
+        ({"eps": 0.0}, "eps"),
+        ({"var_freeze_step": 0}, "var_freeze_step"),
+    ):
+        with pytest.raises(ValueError, match=rf"^ZeroOneAdam param {key}: "):
+            ozo.from_deepspeed_config({"type": "ZeroOneAdam", "params": params}, axis_name="w")
+    with pytest.raises(ValueError, match=r"^learning_rate is a schedule whose rate"):
+        ozo.from_deepspeed_config(
+            {"type": "OneBitAdam", "params": {"lr": 1e-3}},
+            axis_name="w",
+            learning_rate=lambda c: -1.0,
+        )

@@ -15,6 +15,7 @@ nothing; a value that would ask for behaviour neither implementation has is reje
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -148,8 +149,11 @@ def from_deepspeed_config(
         )
 
     lr = params.get("lr", _DEFAULTS["lr"])
+    keys = dict(_CONFIG_KEYS)  # our argument a range error names -> its config key
     if learning_rate is None:
         learning_rate = _number(kind, "lr", lr)
+    else:  # the caller's own rate (a schedule): its errors are not the config's
+        del keys["learning_rate"]
     b1, b2 = _betas(kind, params.get("betas", _DEFAULTS["betas"]))
     eps = _number(kind, "eps", params.get("eps", _DEFAULTS["eps"]))
     weight_decay = _number(
@@ -171,9 +175,25 @@ def from_deepspeed_config(
             own[key] = value = int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{kind} param {key} must be an integer, got {value!r}.")
-    if kind == "ZeroOneAdam":
-        return zero_one_adam(learning_rate, **common, **{k: int(v) for k, v in own.items()})
-    return onebit_adam(learning_rate, **common, **{k: int(v) for k, v in own.items()})
+    build = zero_one_adam if kind == "ZeroOneAdam" else onebit_adam
+    try:
+        return build(learning_rate, **common, **{k: int(v) for k, v in own.items()})
+    except ValueError as e:  # a range error names our argument: say which config key it is
+        word = re.match(r"\w*", str(e)).group()
+        key = keys.get(word, word if word in own else None)
+        if key is None:
+            raise
+        raise ValueError(f"{kind} param {key}: {e}") from None
+
+
+# our argument a range error names -> the DeepSpeed config key it came from
+_CONFIG_KEYS = {
+    "learning_rate": "lr",
+    "b1": "betas[0]",
+    "b2": "betas[1]",
+    "eps": "eps",
+    "weight_decay": "weight_decay",
+}
 
 
 def _parse_section(config: Any) -> tuple[str, Mapping[str, Any]]:
