@@ -809,3 +809,18 @@ def test_deepspeed_range_errors_name_the_config_key():
             axis_name="w",
             learning_rate=lambda c: -1.0,
         )
+
+
+def test_minor_arguments_are_checked_at_construction():
+    """A bad-input audit: compressed_steps="no" was taken as True, fast_axis_name="" accepted
+    (axis_name="" is refused), and data_parallel / on_workers with the mesh in another place
+    failed with "'dict' object has no attribute 'axis_names'"."""
+    with pytest.raises(ValueError, match="compressed_steps must be True or False"):
+        ozo.scheduled_mean(AXIS, ozo.VarianceDoubling(4), compressed_steps="no")
+    with pytest.raises(ValueError, match="fast_axis_name must be the name"):
+        ozo.zero_one_adam(1e-3, axis_name="n", fast_axis_name="")
+    mesh = ozo.worker_mesh(AXIS, 1)
+    with pytest.raises(TypeError, match=r"data_parallel\(mesh, params, data_axis\).*got a dict"):
+        ozo.data_parallel({"w": jnp.zeros(4)}, mesh)
+    with pytest.raises(TypeError, match=r"on_workers\(fn, mesh, axis_name\).*got a function"):
+        ozo.on_workers(mesh, lambda p: p)

@@ -201,7 +201,7 @@ def worker_axes(axis_name: str | None, fast_axis_name: str | None) -> Axes:
     check_axis_name(axis_name)
     if fast_axis_name is None:
         return axis_name
-    if not isinstance(fast_axis_name, str):
+    if not isinstance(fast_axis_name, str) or not fast_axis_name:
         raise ValueError(
             f"fast_axis_name must be the name (a str) of the mesh axis inside a node, or None; "
             f"got {fast_axis_name!r}."

@@ -343,6 +343,11 @@ def on_workers(
       >>> step = jax.jit(on_workers(worker_step, mesh), donate_argnums=(0, 1))
       >>> params, opt_state = step(params, opt_state, to_workers(lambda i: {"w": np.ones(3)}, mesh))
     """
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"on_workers(fn, mesh, axis_name): mesh must be a jax.sharding.Mesh, got a "
+            f"{type(mesh).__name__} (the arguments in another order?)."
+        )
     axis = _axis(mesh, axis_name)
     body = worker_body(fn, batched, axis, "on_workers")
     return jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis))
