@@ -5,6 +5,8 @@ not handle yet are ``xfail(strict=True)`` with the reason and the fix, so that f
 the suite red until the mark is removed.
 """
 
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -651,8 +653,8 @@ def test_schedules_and_their_checks_refuse_what_is_not_theirs():
         (lambda count: "1e-3", "must return a real scalar"),
         (lambda count: count < 10, "must return a real scalar"),
         (lambda count: jnp.asarray(1e-3 + 0j), "must return a real scalar"),
-        (lambda count: -1e-2 + 0 * count, "rate at step count 0 is -0.0"),
-        (lambda count: jnp.where(count == 0, jnp.nan, 1e-2), "rate at step count 0 is nan"),
+        (lambda count: -1e-2 + 0 * count, "value at step count 0 is -0.0"),
+        (lambda count: jnp.where(count == 0, jnp.nan, 1e-2), "value at step count 0 is nan"),
     ],
 )
 def test_a_learning_rate_schedule_is_checked_at_construction(schedule, message):
@@ -803,7 +805,7 @@ def test_deepspeed_range_errors_name_the_config_key():
     ):
         with pytest.raises(ValueError, match=rf"^ZeroOneAdam param {key}: "):
             ozo.from_deepspeed_config({"type": "ZeroOneAdam", "params": params}, axis_name="w")
-    with pytest.raises(ValueError, match=r"^learning_rate is a schedule whose rate"):
+    with pytest.raises(ValueError, match=r"^learning_rate is a schedule whose value"):
         ozo.from_deepspeed_config(
             {"type": "OneBitAdam", "params": {"lr": 1e-3}},
             axis_name="w",
@@ -824,3 +826,58 @@ def test_minor_arguments_are_checked_at_construction():
         ozo.data_parallel({"w": jnp.zeros(4)}, mesh)
     with pytest.raises(TypeError, match=r"on_workers\(fn, mesh, axis_name\).*got a function"):
         ozo.on_workers(mesh, lambda p: p)
+
+
+def test_the_new_checks_refuse_nothing_legitimate():
+    """A review of the checks above found them refusing what worked before: a weight decay
+    schedule (optax.add_decayed_weights takes one), a step returning a list, a loop's own scalar
+    named "count" beside a worker-layout state, a user-layout leaf that merely sits on the data
+    axis, a compile_kind object with a .lower method."""
+    decay = optax.linear_schedule(1e-2, 0.0, 100)
+    ozo.zero_one_adam(1e-3, weight_decay=decay)
+    ozo.onebit_adam(1e-3, weight_decay=decay)
+    with pytest.raises(ValueError, match="weight_decay is a schedule whose value at step count 0"):
+        ozo.zero_one_adam(1e-3, weight_decay=lambda c: -1.0 + 0 * c)
+    params = {"w": jnp.ones((3, 2))}
+    tx = ozo.zero_one_adam(1e-2, axis_name=AXIS)
+    state4 = jax.vmap(tx.init, axis_name=AXIS)(ozo.replicate(params, 4))
+    for name in ("step", "count"):
+        assert ozo.worker_count({name: np.asarray(5), "opt_state": state4}) == 4
+
+    class Factory:  # a compile_kind keeping its programs' lowerings, say
+        def __call__(self, kind):
+            return jax.jit(lambda p: p)
+
+        def lower(self):
+            return None
+
+    ozo.dispatch_by_kind(Factory(), ozo.zero_one_schedule(var_freeze_step=4))
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    dp = ozo.data_parallel(mesh, {"w": P(None, "model")}, "data")
+    x = jax.device_put(jnp.ones((8, 4)), jax.sharding.NamedSharding(mesh, P("data", "model")))
+    assert dp.to_workers({"w": x})["w"].shape == (2, 8, 4)  # re-placed, as before
+
+    def step(p, s, batch):
+        u, s = dtx.update(jax.tree.map(lambda w: w * batch.sum(), p), s, p)
+        return [optax.apply_updates(p, u), s, None]  # a list
+
+    one_d = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    dp1 = ozo.data_parallel(one_d, params, "data")
+    dtx = dp1.optimizer(ozo.zero_one_adam(1e-2, axis_name="data"))
+    pw = dp1.to_workers(params)
+    p, s, _ = dp1.jit(step, donate=False)(pw, dp1.init(dtx, pw), jnp.ones((2, 3)))
+    assert p["w"].shape == (2, 3, 2)
+
+
+def test_building_an_optimizer_starts_no_backend():
+    """A review: the schedule check ran the schedule on a device at construction, which started
+    JAX's backend, so jax.distributed.initialize() after building the optimizer failed."""
+    code = (
+        "import optax, optax_zero_one as ozo\n"
+        "from jax._src import xla_bridge\n"
+        "ozo.zero_one_adam(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100), "
+        "weight_decay=optax.linear_schedule(1e-2, 0.0, 100), axis_name='w')\n"
+        "ozo.onebit_adam(optax.cosine_decay_schedule(1e-3, 100), axis_name='w')\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -107,7 +107,7 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
 def check_learning_rate(learning_rate: Any) -> None:
     """A float >= 0, an array (e.g. injected), or a schedule (callable) of a scalar."""
     if callable(learning_rate):
-        _check_schedule(learning_rate)
+        check_schedule_of("learning_rate", learning_rate)
         return
     if isinstance(learning_rate, jax.Array | np.ndarray) and np.ndim(learning_rate) != 0:
         raise ValueError(
@@ -133,15 +133,17 @@ _TRACER_ERRORS = (
 )
 
 
-def _check_schedule(schedule: Any) -> None:
-    """A learning-rate schedule takes the step count and returns a real scalar, finite and >= 0
-    at count 0 (traced on an abstract count for its shape; called on 0 for its value)."""
+def check_schedule_of(name: str, schedule: Any) -> None:
+    """A schedule of a hyperparameter (``name``: a learning rate, a weight decay) takes the
+    step count and returns a real scalar, finite and >= 0 at count 0 (traced on an abstract count
+    for its shape; called on 0 for its value once a backend runs: building an optimizer starts
+    none)."""
     example = "e.g. optax.cosine_decay_schedule(1e-3, 10_000)"
     try:
         inspect.signature(schedule).bind(0)
     except TypeError:
         raise ValueError(
-            f"learning_rate is a schedule that cannot be called with one argument (the step "
+            f"{name} is a schedule that cannot be called with one argument (the step "
             f"count): {schedule!r}; {example}."
         ) from None
     except ValueError:  # no signature to read (a builtin): let the calls below say
@@ -152,7 +154,7 @@ def _check_schedule(schedule: Any) -> None:
         return
     except TypeError as e:  # e.g. a result that is not an array (a str)
         raise ValueError(
-            f"learning_rate is a schedule that must return a real scalar (a float or a float "
+            f"{name} is a schedule that must return a real scalar (a float or a float "
             f"array of shape ()), {example}; calling it on a step count failed: {e}"
         ) from None
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
@@ -162,14 +164,16 @@ def _check_schedule(schedule: Any) -> None:
         or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
     ):
         raise ValueError(
-            f"learning_rate is a schedule returning {out!r}: it must return a real scalar (a "
+            f"{name} is a schedule returning {out!r}: it must return a real scalar (a "
             f"float or a float array of shape ()), {example}."
         )
     if shape != ():
         raise ValueError(
-            f"learning_rate is a schedule returning shape {shape}: it must return a scalar "
+            f"{name} is a schedule returning shape {shape}: it must return a scalar "
             f"(one rate for every parameter), {example}."
         )
+    if not _graph.backends_started(default=False):
+        return  # running it would start a backend (before jax.distributed.initialize, say)
     try:
         first = schedule(jnp.zeros((), jnp.int32))
         value = float(first)
@@ -177,10 +181,19 @@ def _check_schedule(schedule: Any) -> None:
         return  # not concrete (built while tracing): the value is the graph's
     if not (np.isfinite(value) and value >= 0):
         raise ValueError(
-            f"learning_rate is a schedule whose rate at step count 0 is {value}: a rate must be "
-            "finite and >= 0 (a NaN would reach every worker's params and the state for good; "
-            "a negative one climbs the loss)."
+            f"{name} is a schedule whose value at step count 0 is {value}: it must be finite "
+            "and >= 0 (a NaN would reach every worker's params and the state for good; a "
+            "negative rate climbs the loss)."
         )
+
+
+def check_weight_decay(weight_decay: Any) -> None:
+    """A float >= 0, a scalar array (injected) or a schedule of the count (as
+    ``optax.add_decayed_weights`` takes)."""
+    if callable(weight_decay):
+        check_schedule_of("weight_decay", weight_decay)
+        return
+    check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
 
 
 def check_axis_name(axis_name: Any) -> None:
@@ -546,15 +559,23 @@ def check_state_type(state: Any, expected: type, optimizer: str) -> None:
 def check_policy(name: str, policy: Any, method: str, example: str) -> None:
     """Raises ``ValueError`` naming ``name`` unless ``policy`` has ``init``, ``next`` and
     ``method`` (a policy of :mod:`~optax_zero_one.core.policies`, or one written alike)."""
-    if isinstance(policy, type):
+    check_protocol(
+        name, policy, ("init", f"{method}(state, k)", "next(state, k)"), example, "policy"
+    )
+
+
+def check_protocol(name: str, obj: Any, methods: tuple[str, ...], example: str, what: str) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``obj`` is an object (not a class) with
+    every method of ``methods`` (each written as it is called, e.g. ``"next(state, k)"``)."""
+    if isinstance(obj, type):
         raise ValueError(
-            f"{name} must be a policy object, got the class {policy.__name__}: build one, "
+            f"{name} must be a {what} object, got the class {obj.__name__}: build one, "
             f"e.g. {example}."
         )
-    if not all(callable(getattr(policy, m, None)) for m in ("init", "next", method)):
+    if not all(callable(getattr(obj, m.split("(")[0], None)) for m in methods):
+        shown = ", ".join(m if "(" in m else f"{m}()" for m in methods)
         raise ValueError(
-            f"{name} must be a policy object with init(), {method}(state, k) and next(state, k), "
-            f"e.g. {example}; got {policy!r}."
+            f"{name} must be a {what} object with {shown}, e.g. {example}; got {obj!r}."
         )
 
 

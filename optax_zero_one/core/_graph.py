@@ -71,6 +71,17 @@ def worker_state(state: Any, axis_name: Any) -> Any:
     return jax.tree.map(lambda x: vary_over(jnp.asarray(x), axes), state)
 
 
+def backends_started(default: bool) -> bool:
+    """Whether this process has started a JAX backend (``default`` where this jax cannot say).
+    Nothing run before then: ``jax.distributed.initialize`` must come first."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return default
+
+
 def first_values(x: Any, count: int) -> np.ndarray:
     """The first ``count`` entries of an array this process can read (a replicated or
     per-worker counter or record), without communication."""

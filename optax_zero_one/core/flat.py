@@ -408,7 +408,7 @@ def leaf_offsets(layout: Layout) -> jax.Array:
     return jnp.asarray(_graph.int32_starts(layout.starts))
 
 
-def leaf_keys(layout: Layout) -> jax.Array:
+def leaf_keys(layout: Layout) -> np.ndarray:
     """A fingerprint of each leaf's path and shape (CRC-32), int32 ``(leaves,)``.
 
     :func:`flatten` keeps them in its state: a checkpoint restores flat buffers by position, not
@@ -417,7 +417,7 @@ def leaf_keys(layout: Layout) -> jax.Array:
     keys = [
         zlib.crc32(f"{path}|{shape}".encode()) for path, shape in zip(layout.paths, layout.shapes)
     ]
-    return jnp.asarray(np.asarray(keys, np.uint32).view(np.int32))
+    return np.asarray(keys, np.uint32).view(np.int32)
 
 
 def cut_leaves(

@@ -534,23 +534,12 @@ def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any
     return params
 
 
-_RULE_METHODS = ("learning_rate_at", "weight", "after_sync", "errors")
-
-
 def _check_rule(rule: Any) -> None:
     """Raises ``ValueError`` unless ``rule`` is a sync rule object (:class:`ParamsAverage`'s
     methods), not its class or a name."""
+    methods = ("learning_rate_at", "weight", "after_sync", "errors")
     example = "ozo.ParamsAverage() or ozo.MomentumAverage(learning_rate)"
-    if isinstance(rule, type):
-        raise ValueError(
-            f"rule must be a sync rule object, got the class {rule.__name__}: "
-            f"build one, e.g. {example}."
-        )
-    if not all(callable(getattr(rule, m, None)) for m in _RULE_METHODS):
-        raise ValueError(
-            f"rule must be a sync rule object with {', '.join(_RULE_METHODS)} (e.g. {example}), "
-            f"got {rule!r}."
-        )
+    _checks.check_protocol("rule", rule, methods, example, "sync rule")
 
 
 def _payload(rule: Any, inner_state: Any, anchor: Any, x: Any, step: Any, first: Any) -> Any:

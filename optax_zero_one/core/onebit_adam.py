@@ -84,7 +84,7 @@ def scale_by_onebit_adam(
     """
     _checks.check_variance_measured(freeze_step, "freeze_step")
     _checks.check_int("freeze_step", freeze_step, 0)
-    _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
+    _checks.check_weight_decay(weight_decay)
     if learning_rate is not None:
         _checks.check_learning_rate(learning_rate)
     # the workers and the backend, checked once and shared by every block
@@ -141,7 +141,7 @@ def onebit_adam(
       Tang et al., 1-bit Adam, ICML 2021, arXiv:2102.02888.
     """
     _checks.check_learning_rate(learning_rate)
-    _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
+    _checks.check_weight_decay(weight_decay)
     return scale_by_onebit_adam(
         b1,
         b2,

@@ -152,7 +152,7 @@ def flatten_over(
         _refuse_shape_readers(inner_state)
         if _checks.is_placeholder(params):
             inner_state = _flat_buffers_as_leaves(inner_state)
-        state = FlattenState(leaf_offsets(layout), inner_state, leaf_keys(layout))
+        state = FlattenState(leaf_offsets(layout), inner_state, jnp.asarray(leaf_keys(layout)))
         return _graph.worker_state(state, axes)
 
     def update_fn(updates: Any, state: FlattenState, params: Any, **extra_args: Any) -> Any:
@@ -231,9 +231,10 @@ def _saved_keys(keys: Any, count: int) -> np.ndarray:
             "The optimizer state's leaf_keys hold no values (a ShapeDtypeStruct), as a "
             "checkpoint written before the state kept them (optax_zero_one 0.2.0 and before) "
             "restored with partial_restore=True leaves them. If the params tree is the one it "
-            "was saved with, take them from this run's fresh state: restored = jax.tree.map("
-            "lambda r, f: f if isinstance(r, jax.ShapeDtypeStruct) else r, restored, "
-            "fresh_state) (docs/reliability.md)."
+            "was saved with, take them from the state you restored into, initialised (the same "
+            "optimizer, for the saved worker count): restored = jax.tree.map(lambda r, f: f if "
+            "isinstance(r, jax.ShapeDtypeStruct) else r, restored, target) "
+            "(docs/reliability.md)."
         )
     if isinstance(keys, jax.core.Tracer) or not hasattr(keys, "__array__"):
         raise ValueError(
@@ -244,7 +245,7 @@ def _saved_keys(keys: Any, count: int) -> np.ndarray:
 
 
 def _refuse_other_leaves(saved: np.ndarray, layout: Layout, what: str) -> None:
-    want = np.asarray(leaf_keys(layout))
+    want = leaf_keys(layout)
     count = want.size
     if saved.shape == want.shape and np.array_equal(saved, want):
         return
@@ -342,7 +343,7 @@ def decayed_weights(weight_decay: Any, optimizer: str) -> optax.GradientTransfor
     structure with a float ``weight_decay`` and under ``optax.inject_hyperparams`` (where it is
     an array); a non-zero decay without params gets an error naming ``optimizer``.
     """
-    _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
+    _checks.check_weight_decay(weight_decay)
     if _checks.is_static_number(weight_decay) and weight_decay == 0:
         return optax.with_extra_args_support(optax.identity())
     inner = optax.add_decayed_weights(weight_decay)

@@ -166,7 +166,7 @@ def scale_by_zero_one_adam(
       ICLR 2023, arXiv:2202.06009.
     """
     _checks.check_learning_rate(learning_rate)
-    _checks.check_range("weight_decay", weight_decay, 0.0, float("inf"), high_open=True)
+    _checks.check_weight_decay(weight_decay)
     # the workers and the backend, checked once and shared by every block
     comm = Comm.of(axis_name, fast_axis_name, num_workers, collective, mask)
     variance_policy = variance_policy or policies.VarianceDoubling()

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one.core import _checks, _graph, kinds, wrappers
+from optax_zero_one.core import _graph, kinds, wrappers
 from optax_zero_one.integration import workers
 
 
@@ -45,10 +45,13 @@ def _one_worker(tree: Any) -> bool:
     """Whether ``tree`` is one worker's, without a worker axis: its step counters (the leaves
     named ``count``, optax's and this library's) are scalars, where a state in the worker
     layout has one per worker. A tree without counters is one worker's if it has a scalar leaf.
-    Other scalars (a training loop's own ``step`` saved beside the state) say nothing."""
+    Other scalars (a training loop's own ``step``, or ``count``, saved beside the state) say
+    nothing: every counter must be a scalar."""
     leaves = jax.tree_util.tree_leaves_with_path(_items(tree))
     counters = [leaf for path, leaf in leaves if path and _key_name(path[-1]) == "count"]
-    return any(not _shape(leaf) for leaf in counters or [leaf for _, leaf in leaves])
+    if counters:
+        return all(not _shape(leaf) for leaf in counters)
+    return any(not _shape(leaf) for _, leaf in leaves)
 
 
 def _key_name(key: Any) -> Any:
@@ -68,8 +71,10 @@ def worker_count(tree: Any) -> int:
         ``ArrayMetadata`` from ``CheckpointManager.item_metadata(step)``); or Orbax's metadata
         of a whole step (``StandardCheckpointer().metadata(path)``), read for its tree.
 
-    A tree with a scalar leaf is one worker's, with no worker axis (the state of an optimizer
-    built with ``axis_name=None``: its counters are scalars): 1.
+    A tree whose step counters (leaves named ``count``) are scalars is one worker's, with no
+    worker axis (the state of an optimizer built with ``axis_name=None``): 1. Other scalar
+    leaves (a loop's step number saved beside the state) are skipped; a tree without counters
+    and with a scalar leaf counts as one worker's.
 
     Returns:
       The size of the leading axis, identical on every leaf (1 for one worker's tree).
@@ -83,11 +88,8 @@ def worker_count(tree: Any) -> int:
     """
     if _one_worker(tree):
         return 1
-    counts: dict[int, str] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree)):
-        shape = _shape(leaf)
-        if shape:  # a scalar beside a worker-layout state: the loop's own (a step number)
-            counts.setdefault(shape[0], _checks.leaf_name(path))
+    # a scalar beside a worker-layout state is the loop's own (a step number): skipped
+    counts = workers.leading_axes(_items(tree))
     if not counts:
         raise ValueError("The tree holds no arrays, so it says nothing about the worker count.")
     if len(counts) > 1:
@@ -218,10 +220,9 @@ def _saved_nodes(tree: Any) -> int | None:
     for: the rows of each worker's ``worker_error`` buffer (``OnebitMeanState``'s field, found
     by name, as a checkpoint's metadata has no classes); ``None`` without such a buffer."""
     rows = {
-        tuple(getattr(leaf, "shape", np.shape(leaf)))[-2]  # (workers, [model shards,] rows, C)
+        _shape(leaf)[-2]  # (workers, [model shards,] rows, C)
         for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree))
-        if "worker_error" in jax.tree_util.keystr(path)
-        and len(tuple(getattr(leaf, "shape", np.shape(leaf)))) >= 3
+        if "worker_error" in jax.tree_util.keystr(path) and len(_shape(leaf)) >= 3
     }
     return next(iter(rows)) if len(rows) == 1 else None
 

@@ -157,8 +157,12 @@ class DataParallel:
         @distributed.outside_user_mesh
         def one(path: Any, x: Any, spec: P) -> jax.Array:
             placed = getattr(x, "sharding", None)
-            if isinstance(placed, NamedSharding) and set(_names(self.data_axis)) & _spec_axes(
-                placed.spec
+            if (  # what to_workers makes: a leading worker axis over the data axis
+                isinstance(placed, NamedSharding)
+                and len(placed.spec)
+                and placed.spec[0] is not None
+                and set(_names(placed.spec[0])) == set(self.data_axes)
+                and np.shape(x)[0] == self.num_workers
             ):
                 raise ValueError(
                     f"leaf {_checks.leaf_name(path)} of shape {np.shape(x)} is already sharded "
@@ -733,7 +737,7 @@ def _checked_step(
                 f"{what} it was given: it must return (params, opt_state, aux) in that order, "
                 "the first two with the structure they came in with."
             )
-    return out
+    return tuple(out)  # a list too: the programs' outputs are declared as a tuple
 
 
 def _check_structure(tree: Any, specs: Any, what: str, specs_what: str) -> None:

@@ -257,6 +257,9 @@ def _first_shard(x: Any) -> Any:
     return shards[0].data if shards else x
 
 
+_JITTED = type(jax.jit(lambda: None))  # what jax.jit returns (a jitted step, not a factory)
+
+
 class KindDispatcher:
     """A step function that runs, at each call, the program compiled for the step's kind.
 
@@ -284,7 +287,7 @@ class KindDispatcher:
                 f"dispatch_by_kind needs an optax_zero_one.StepSchedule (e.g. "
                 f"ozo.zero_one_schedule(...)), got {schedule!r}."
             )
-        if not callable(compile_kind) or hasattr(compile_kind, "lower"):
+        if not callable(compile_kind) or isinstance(compile_kind, _JITTED):
             what = "a jitted step" if callable(compile_kind) else repr(compile_kind)
             raise ValueError(
                 f"dispatch_by_kind's compile_kind must be a function from a step kind to that "

@@ -40,6 +40,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
+from optax_zero_one.core import _graph
 from optax_zero_one.integration import distributed
 
 HOST = "127.0.0.1"
@@ -420,13 +421,9 @@ def _check_joined(module: str) -> None:
 
 
 def _ran_jax() -> bool:
-    """Whether this process started a JAX backend (``process_count`` would start one)."""
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # another jax: assume it ran, as before
-        return True
+    """Whether this process started a JAX backend (``process_count`` would start one); with
+    another jax, assume it ran."""
+    return _graph.backends_started(default=True)
 
 
 def _note_failure(suffix: str = "") -> None:

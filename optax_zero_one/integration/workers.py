@@ -54,6 +54,18 @@ def replicate(tree: Any, num_workers: int, sharding: jax.sharding.Sharding | Non
     return out if sharding is None else jax.device_put(out, sharding)
 
 
+def leading_axes(tree: Any) -> dict[int, str]:
+    """The leading axis sizes of the non-scalar leaves of ``tree`` (arrays, or anything with a
+    ``shape``: ``jax.ShapeDtypeStruct``, Orbax's metadata), each with the first leaf that has
+    it: one entry for a tree in the worker layout."""
+    found: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+        if shape:
+            found.setdefault(shape[0], _checks.leaf_name(path))
+    return found
+
+
 def unreplicate(tree: Any, worker: int | None = None) -> Any:
     """One worker's copy of a tree in the worker layout (the inverse of :func:`replicate`).
 
@@ -86,10 +98,7 @@ def unreplicate(tree: Any, worker: int | None = None) -> Any:
         isinstance(worker, bool | np.bool_) or not isinstance(worker, int | np.integer)
     ):
         raise ValueError(f"worker must be an int (a worker's index), got {worker!r}.")
-    leading: dict[int, str] = {}
-    for path, x in jax.tree_util.tree_leaves_with_path(tree):
-        if np.ndim(x):
-            leading.setdefault(np.shape(x)[0], _checks.leaf_name(path))
+    leading = leading_axes(tree)
     if len(leading) > 1:
         found = ", ".join(f"{n} at {where}" for n, where in leading.items())
         raise ValueError(
