@@ -692,6 +692,8 @@ def test_worker_layout_helpers_refuse_a_tree_in_the_other_layout():
         with pytest.raises(ValueError, match="worker must be an int"):
             ozo.unreplicate(ozo.replicate(one, 4), worker)
     np.testing.assert_array_equal(ozo.unreplicate(ozo.replicate(one, 4), 2)["b"], one["b"])
+    best = jnp.argmin(jnp.asarray([3.0, 1.0, 2.0, 5.0]))  # a 0-d int array is an index
+    np.testing.assert_array_equal(ozo.unreplicate(ozo.replicate(one, 4), best)["b"], one["b"])
 
 
 @pytest.mark.parametrize(
@@ -826,6 +828,8 @@ def test_minor_arguments_are_checked_at_construction():
         ozo.data_parallel({"w": jnp.zeros(4)}, mesh)
     with pytest.raises(TypeError, match=r"on_workers\(fn, mesh, axis_name\).*got a function"):
         ozo.on_workers(mesh, lambda p: p)
+    ozo.on_workers(lambda p: p, mesh.abstract_mesh)  # as jax.shard_map takes it
+    ozo.scheduled_mean(AXIS, ozo.VarianceDoubling(4), compressed_steps=0)  # 0 / 1 as bools
 
 
 def test_the_new_checks_refuse_nothing_legitimate():

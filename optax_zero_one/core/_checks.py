@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import operator
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -43,6 +44,17 @@ def leaf_name(path: Any) -> str:
 
 INT32_MAX = 2**31 - 1
 """The largest step number the optimizers' int32 counters hold."""
+
+
+def as_index(name: str, value: Any, what: str) -> int:
+    """``value`` as a Python int if it is an integer (a Python or NumPy int, or a 0-d integer
+    array, e.g. ``jnp.argmin(losses)``), else ``ValueError`` naming ``name`` (``what`` it is)."""
+    try:
+        if isinstance(value, bool | np.bool_):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int ({what}), got {value!r}.") from None
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_zero_one.core import _graph, kinds, wrappers
+from optax_zero_one.core import _checks, _graph, kinds, wrappers
 from optax_zero_one.integration import workers
 
 
@@ -139,13 +139,11 @@ def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
         )
     if pair:
         num_workers = (int(num_workers[0]), int(num_workers[1]))
-    elif isinstance(num_workers, bool) or not (
-        isinstance(num_workers, int | np.integer) and num_workers >= 1
-    ):
-        raise ValueError(
-            f"num_workers must be a positive int (this run's worker count) or the pair (nodes, "
-            f"per_node) of a hierarchical run, got {num_workers!r}."
-        )
+    else:
+        what = "this run's worker count, or the pair (nodes, per_node) of a hierarchical run"
+        num_workers = _checks.as_index("num_workers", num_workers, what)
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be a positive int ({what}), got {num_workers}.")
     if not jax.tree.leaves(_items(tree)):
         return
     saved = worker_count(tree)

@@ -343,7 +343,7 @@ def on_workers(
       >>> step = jax.jit(on_workers(worker_step, mesh), donate_argnums=(0, 1))
       >>> params, opt_state = step(params, opt_state, to_workers(lambda i: {"w": np.ones(3)}, mesh))
     """
-    if not isinstance(mesh, jax.sharding.Mesh):
+    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
         raise TypeError(
             f"on_workers(fn, mesh, axis_name): mesh must be a jax.sharding.Mesh, got a "
             f"{type(mesh).__name__} (the arguments in another order?)."

@@ -94,10 +94,8 @@ def unreplicate(tree: Any, worker: int | None = None) -> Any:
       (3,)
     """
 
-    if worker is not None and (
-        isinstance(worker, bool | np.bool_) or not isinstance(worker, int | np.integer)
-    ):
-        raise ValueError(f"worker must be an int (a worker's index), got {worker!r}.")
+    if worker is not None:
+        worker = _checks.as_index("worker", worker, "a worker's index")
     leading = leading_axes(tree)
     if len(leading) > 1:
         found = ", ".join(f"{n} at {where}" for n, where in leading.items())
