@@ -885,3 +885,29 @@ def test_building_an_optimizer_starts_no_backend():
         "assert not xla_bridge.backends_are_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_last_review_of_the_checks():
+    """A review of the fixes above: a (nodes, per_node) pair of 0-d int arrays was refused
+    where one such array passed, a jax.pmap'd step got through as compile_kind, compressed_steps
+    took 1.0 or an array, and dp.to_workers stacked a second worker axis on a leaf whose spec
+    had dropped a size-1 data axis (("node", "local") with one node)."""
+    params = {"w": jnp.ones((3, 2))}
+    tx = ozo.zero_one_adam(1e-2, axis_name=AXIS)
+    state4 = jax.vmap(tx.init, axis_name=AXIS)(ozo.replicate(params, 4))
+    ozo.check_worker_count(state4, (jnp.asarray(4), jnp.asarray(1)))  # 4 nodes of one
+    with pytest.raises(ValueError, match=r"num_workers must be the pair \(nodes, per_node\)"):
+        ozo.check_worker_count(state4, (0, 4))
+    with pytest.raises(ValueError, match="compile_kind must be a function from a step kind"):
+        ozo.dispatch_by_kind(jax.pmap(lambda p: p), ozo.zero_one_schedule(var_freeze_step=4))
+    for bad in (1.0, jnp.asarray(1), 2):
+        with pytest.raises(ValueError, match="compressed_steps must be True or False"):
+            ozo.scheduled_mean(AXIS, ozo.VarianceDoubling(4), compressed_steps=bad)
+    mesh = jax.make_mesh(
+        (1, 4), ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+        devices=jax.devices()[:4],
+    )  # fmt: skip
+    dp = ozo.data_parallel(mesh, params, ("node", "local"))
+    workers = dp.to_workers(params)
+    with pytest.raises(ValueError, match="is already sharded over the data axis"):
+        dp.to_workers(workers)

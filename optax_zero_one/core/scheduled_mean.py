@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_zero_one.core import _checks, _graph, flat, kinds, policies
@@ -107,7 +108,10 @@ def scheduled_mean(
       Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1).
     """
     comm = Comm.of(axis_name, fast_axis_name, num_workers, collective, mask)
-    if compressed_steps not in (True, False):  # a bool, or 0 / 1
+    if not (  # a bool, or the int 0 / 1
+        isinstance(compressed_steps, bool | np.bool_)
+        or (isinstance(compressed_steps, int) and compressed_steps in (0, 1))
+    ):
         raise ValueError(f"compressed_steps must be True or False, got {compressed_steps!r}.")
     return scheduled_mean_over(comm, variance_policy, compressed_steps=compressed_steps)
 

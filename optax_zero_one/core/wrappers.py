@@ -339,9 +339,10 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
 def decayed_weights(weight_decay: Any, optimizer: str) -> optax.GradientTransformationExtraArgs:
     """``optax.add_decayed_weights(weight_decay)``, an identity for a static ``0.0``.
 
-    Its state is ``optax.EmptyState()`` either way, so that an optimizer's state has the same
-    structure with a float ``weight_decay`` and under ``optax.inject_hyperparams`` (where it is
-    an array); a non-zero decay without params gets an error naming ``optimizer``.
+    Its state is ``optax.EmptyState()`` for a number or an array, so that an optimizer's state
+    has the same structure with a float ``weight_decay`` and under ``optax.inject_hyperparams``
+    (where it is an array); a schedule of the count keeps optax's ``WeightDecaySchedule``
+    counter. A non-zero decay without params gets an error naming ``optimizer``.
     """
     _checks.check_weight_decay(weight_decay)
     if _checks.is_static_number(weight_decay) and weight_decay == 0:

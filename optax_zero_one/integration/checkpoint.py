@@ -126,19 +126,13 @@ def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
       ValueError: This state was saved by 4 workers, but this run has 2. ...
     """
     pair = isinstance(num_workers, tuple | list)
-    if pair and not (
-        len(num_workers) == 2
-        and all(
-            isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 1
-            for n in num_workers
-        )
-    ):
-        raise ValueError(
-            f"num_workers must be an int or the pair (nodes, per_node) of a hierarchical run, "
-            f"got {num_workers!r}."
-        )
     if pair:
-        num_workers = (int(num_workers[0]), int(num_workers[1]))
+        what = "the pair (nodes, per_node) of a hierarchical run, each a positive int"
+        if len(num_workers) != 2:
+            raise ValueError(f"num_workers must be an int or {what}, got {num_workers!r}.")
+        num_workers = tuple(_checks.as_index("num_workers", n, what) for n in num_workers)
+        if min(num_workers) < 1:
+            raise ValueError(f"num_workers must be {what}, got {num_workers}.")
     else:
         what = "this run's worker count, or the pair (nodes, per_node) of a hierarchical run"
         num_workers = _checks.as_index("num_workers", num_workers, what)

@@ -161,7 +161,7 @@ class DataParallel:
                 isinstance(placed, NamedSharding)
                 and len(placed.spec)
                 and placed.spec[0] is not None
-                and set(_names(placed.spec[0])) == set(self.data_axes)
+                and set(self._sized(_names(placed.spec[0]))) == set(self._sized(self.data_axes))
                 and np.shape(x)[0] == self.num_workers
             ):
                 raise ValueError(

@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import inspect
 import operator
 import os
 import threading
@@ -287,7 +288,10 @@ class KindDispatcher:
                 f"dispatch_by_kind needs an optax_zero_one.StepSchedule (e.g. "
                 f"ozo.zero_one_schedule(...)), got {schedule!r}."
             )
-        if not callable(compile_kind) or isinstance(compile_kind, _JITTED):
+        jitted = isinstance(compile_kind, _JITTED) or (  # jax.jit's, or jax.pmap's function
+            inspect.isfunction(compile_kind) and hasattr(compile_kind, "lower")
+        )
+        if not callable(compile_kind) or jitted:
             what = "a jitted step" if callable(compile_kind) else repr(compile_kind)
             raise ValueError(
                 f"dispatch_by_kind's compile_kind must be a function from a step kind to that "
