@@ -830,6 +830,10 @@ def test_minor_arguments_are_checked_at_construction():
         ozo.on_workers(mesh, lambda p: p)
     ozo.on_workers(lambda p: p, mesh.abstract_mesh)  # as jax.shard_map takes it
     ozo.scheduled_mean(AXIS, ozo.VarianceDoubling(4), compressed_steps=0)  # 0 / 1 as bools
+    with pytest.raises(ValueError, match="float_mean's axis_name must be the name"):
+        jax.vmap(lambda x: ozo.float_mean(x, 3), axis_name=AXIS)(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"local_rows needs the worker layout.*\['s'\]"):
+        ozo.local_rows({"s": jnp.ones(())})
 
 
 def test_the_new_checks_refuse_nothing_legitimate():

@@ -316,6 +316,14 @@ def float_mean(x: Any, axis_name: _checks.Axes) -> Any:
     over ``fast``, so that the slow links carry 1/L of the buffer. Other trees take one
     all-reduce over both axes."""
     wide = jax.tree.map(lambda v: v.astype(jnp.promote_types(v.dtype, jnp.float32)), x)
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and not (
+        len(names) in (1, 2) and all(isinstance(a, str) and a for a in names)
+    ):
+        raise ValueError(
+            f"float_mean's axis_name must be the name (a str) of the worker axis, or a pair "
+            f"(slow, fast) of names; got {axis_name!r}."
+        )
     if axis_name is None:
         return wide
     workers = _checks.axis_size(axis_name)

@@ -291,7 +291,12 @@ def local_rows(tree: Any) -> tuple[np.ndarray, list[np.ndarray]]:
     """
     workers: list[int] | None = None
     out = []
-    for leaf in jax.tree.leaves(tree):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not np.ndim(leaf):
+            raise ValueError(
+                f"local_rows needs the worker layout (a leading worker axis on every leaf); leaf "
+                f"{_checks.leaf_name(path)} is a scalar. Pass the tree the mapped step made."
+            )
         rows, data = _addressable_rows(leaf)
         if workers is None:
             workers = rows
