@@ -730,6 +730,10 @@ def test_wrappers_check_their_inner_transform_and_rule_at_construction():
     ):
         with pytest.raises(ValueError, match=message):
             ozo.local_step_sync(optax.sgd(0.1), ozo.SyncEvery(4), AXIS, rule=rule)
+    # MomentumAverage around an SGD without momentum failed at the first sync, in the graph
+    tx = ozo.local_step_sync(optax.sgd(0.1), ozo.SyncEvery(2), AXIS, rule=ozo.MomentumAverage(0.1))
+    with pytest.raises(ValueError, match="Give the inner SGD a momentum"):
+        jax.vmap(tx.init, axis_name=AXIS)(ozo.replicate({"w": jnp.ones(3)}, 2))
 
 
 def test_dispatch_by_kind_checks_compile_kind():

@@ -216,6 +216,19 @@ class MomentumAverage(ParamsAverage):
     def learning_rate_at(self, count: jax.Array) -> Any:
         return _checks.evaluate(self.learning_rate, count)
 
+    def errors(self, inner_state: Any, start_step: int) -> Any:
+        """``None`` (the wrapper keeps its own error buffers), once the inner state is seen to
+        hold the one momentum this rule resets (called at ``init``)."""
+        found = len(_graph.nodes_of(inner_state, optax.TraceState))
+        if found != 1:
+            raise ValueError(
+                f"MomentumAverage resets the momentum of an inner optax.sgd(learning_rate, "
+                f"momentum=...) (one optax.TraceState in its state), but the inner state holds "
+                f"{found}. Give the inner SGD a momentum, or use the default rule "
+                "(ParamsAverage) for an inner optimizer without one."
+            )
+        return super().errors(inner_state, start_step)
+
     def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
         old = _graph.only_node(inner_state, optax.TraceState, "MomentumAverage").trace
         # in the trace's dtype (optax keeps it in the params' one: bfloat16 params gave a float32
