@@ -202,9 +202,22 @@ def check_restored(opt_state: Any, schedule: kinds.StepSchedule | None = None) -
       ValueError: The optimizer state was saved for another parameter tree: ...
     """
     _graph.check_not_nnx_state(opt_state, "check_restored")
+    restore_checks(opt_state, schedule)
+
+
+def restore_checks(
+    opt_state: Any,
+    schedule: kinds.StepSchedule | None,
+    count: int | None = None,
+    walk: Any = None,
+) -> None:
+    """The checks of a restored state (:func:`check_restored`'s, which a dispatcher runs at
+    its first call and after a restore): its leaves against the tree, then, with ``schedule``,
+    its policies' history (``count`` and ``walk`` as :func:`~optax_zero_one.check_schedule`
+    takes them: a dispatcher's, already read)."""
     wrappers.check_leaf_keys(opt_state)
     if schedule is not None:
-        kinds.check_schedule(opt_state, schedule)
+        kinds.check_schedule(opt_state, schedule, count, walk)
 
 
 def _saved_nodes(tree: Any) -> int | None:

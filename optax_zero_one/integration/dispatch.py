@@ -38,8 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_zero_one.core import _checks, _graph, flat, kinds, wrappers
+from optax_zero_one.core import _checks, _graph, flat, kinds
 from optax_zero_one.core.kinds import StepKind, StepSchedule
+from optax_zero_one.integration import checkpoint
 from optax_zero_one.integration.distributed import outside_user_mesh
 
 
@@ -691,8 +692,8 @@ class KindDispatcher:
             self._types = [cls for cls, _ in refused]
             self._confirmed = np.asarray(_host_counts(counter, refused))
             if int(self._confirmed[0]) + 1 != self.step:  # a first call, or a restore
-                wrappers.check_leaf_keys(state)
-                kinds.check_schedule(state, self.schedule, int(self._confirmed[0]), self._walk)
+                count = int(self._confirmed[0])
+                checkpoint.restore_checks(state, self.schedule, count, self._walk)
             self.step = int(self._confirmed[0]) + 1
             self._last_counter, self._last_refused = counter, refused
             self._since_check = 0
