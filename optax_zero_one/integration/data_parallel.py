@@ -471,10 +471,11 @@ class DataParallel:
         by_worker = NamedSharding(self.mesh, P(self.data_axis))
         donated = (0, 1) if donate else ()
 
-        def check(params: Any, opt_state: Any, batch: Any) -> None:
+        def check(params: Any, opt_state: Any, batch: Any, leaves: bool) -> None:
             self.check_worker_layout(params, "params")
             self.check_worker_layout(opt_state, "opt_state")
-            wrappers.check_leaf_keys(opt_state)  # a state restored for another tree
+            if leaves:  # a state restored for another tree
+                wrappers.check_leaf_keys(opt_state)
             self._check_batch(batch)
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
@@ -523,7 +524,8 @@ class DataParallel:
                         return first[0](params, opt_state, batch)
                     except (TypeError, ValueError):
                         pass  # raised before running: other arguments, checked here
-                check(params, opt_state, batch)
+                # a dispatcher checks the leaves itself, at its first call and after a restore
+                check(params, opt_state, batch, leaves=kind is None)
                 if first[0] is None:
                     keep(params, opt_state)
                     first[0] = mapped[0].lower(params, opt_state, batch).compile()
@@ -535,7 +537,7 @@ class DataParallel:
                     isinstance(x, jax.ShapeDtypeStruct)
                     for x in jax.tree.leaves((params, opt_state, batch))
                 ):
-                    check(params, opt_state, batch)
+                    check(params, opt_state, batch, leaves=True)  # before any step has run
                 keep(params, opt_state)
                 return mapped[0].lower(params, opt_state, batch)
 
