@@ -581,9 +581,7 @@ def walked_states(state: Any) -> list[Any]:
     """The states in ``state`` whose class predicts fields from a host's walk of the schedule
     (a static ``walked(local_step_policy, begun)``: :class:`~optax_zero_one.LocalStepSyncState`),
     outermost first."""
-    return [
-        n for n in _nodes(state) if hasattr(n, "_fields") and callable(getattr(n, "walked", None))
-    ]
+    return [n for n in state_nodes(state) if callable(getattr(n, "walked", None))]
 
 
 def _hooked(state: Any, hook: str) -> list[tuple[type, Any]]:

@@ -640,11 +640,7 @@ def data_parallel(
       >>> loss.shape  # one per worker
       (2,)
     """
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"data_parallel(mesh, params, data_axis): mesh must be a jax.sharding.Mesh, got a "
-            f"{type(mesh).__name__} (the arguments in another order?)."
-        )
+    distributed.check_mesh(mesh, "data_parallel(mesh, params, data_axis)")
     if not isinstance(data_axis, str | tuple) or not all(
         isinstance(a, str) for a in _names(data_axis)
     ):

@@ -306,6 +306,16 @@ def local_rows(tree: Any) -> tuple[np.ndarray, list[np.ndarray]]:
     return np.asarray(workers or [], dtype=np.int64), out
 
 
+def check_mesh(mesh: Any, call: str, *also: type) -> None:
+    """Raises ``TypeError`` naming ``call`` (its signature) unless ``mesh`` is a
+    ``jax.sharding.Mesh`` (or one of ``also``): the arguments given in another order."""
+    if not isinstance(mesh, (jax.sharding.Mesh, *also)):
+        raise TypeError(
+            f"{call}: mesh must be a jax.sharding.Mesh, got a {type(mesh).__name__} (the "
+            "arguments in another order?)."
+        )
+
+
 def on_workers(
     fn: Callable[..., Any],
     mesh: jax.sharding.Mesh,
@@ -348,11 +358,7 @@ def on_workers(
       >>> step = jax.jit(on_workers(worker_step, mesh), donate_argnums=(0, 1))
       >>> params, opt_state = step(params, opt_state, to_workers(lambda i: {"w": np.ones(3)}, mesh))
     """
-    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
-        raise TypeError(
-            f"on_workers(fn, mesh, axis_name): mesh must be a jax.sharding.Mesh, got a "
-            f"{type(mesh).__name__} (the arguments in another order?)."
-        )
+    check_mesh(mesh, "on_workers(fn, mesh, axis_name)", jax.sharding.AbstractMesh)
     axis = _axis(mesh, axis_name)
     body = worker_body(fn, batched, axis, "on_workers")
     return jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis))
