@@ -292,6 +292,8 @@ def zero_one_adam_run(steps: int, report_every: int = 250) -> dict:
     return {
         "steps": steps,
         "seconds": round(time.time() - start, 1),
+        # the step at which the last kind's program first ran (compiled): memory grows until then
+        "all_kinds_compiled_at_step": max(kinds.index(name) + 1 for name in set(kinds)),
         "schedule": {
             "var_freeze_step": freeze,
             "variance_steps": int(np.sum(np.asarray(kinds) == "variance")),

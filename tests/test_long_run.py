@@ -17,16 +17,21 @@ from benchmarks import long_run  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _memory_is_flat(samples):
-    # after the first calls (compilation, allocator warm-up): the live arrays stay within a
+def _memory_is_flat(samples, warm_from=1):
+    # after the first calls of every program (compilation, allocator warm-up), i.e. from the
+    # first sample at or after call/step ``warm_from``: the live arrays stay within a
     # few dozen of the count then (samples are >= 250 calls apart, so a leak of one array per
     # call or step would add 250 per sample; what moves is the dispatcher's read every 8 steps,
     # which holds a copy of the counters and caches one view per device of the state's
     # counter arrays until that state is donated: up to 4 x 8 + 2 here), and RSS within 64 MiB
     # (a leak of one 17k-element buffer per call would add > 1 GiB over 20,000 calls)
-    warm = samples[1]["live_arrays"]
-    assert all(abs(s["live_arrays"] - warm) <= 40 for s in samples[1:]), samples
-    assert samples[-1]["rss_mib"] - samples[1]["rss_mib"] < 64, samples
+    warm = next(
+        i for i, s in enumerate(samples) if i >= 1 and s.get("step", s.get("call")) >= warm_from
+    )
+    assert warm < len(samples) - 2, ("too few samples after the last compile", samples)
+    base = samples[warm]["live_arrays"]
+    assert all(abs(s["live_arrays"] - base) <= 40 for s in samples[warm:]), samples
+    assert samples[-1]["rss_mib"] - samples[warm]["rss_mib"] < 64, samples
 
 
 def test_compressed_mean_20k_calls():
@@ -55,7 +60,9 @@ def test_zero_one_adam_5k_steps():
     assert r["accumulator_rms"]["max"] < 1
     # workers agree after every sync up to float rounding
     assert r["params_spread_after_sync"]["max"] < 1e-4
-    _memory_is_flat(r["memory"])
+    # from the first sample after phase B's programs first ran (their compile grew the RSS by
+    # ~56 MiB between steps 500 and 750 in CI, which read as a leak against step 250)
+    _memory_is_flat(r["memory"], warm_from=r["all_kinds_compiled_at_step"])
 
 
 def test_workers_agree_after_every_sync_whatever_the_params_dtype():
