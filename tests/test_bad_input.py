@@ -808,6 +808,10 @@ def test_deepspeed_range_errors_name_the_config_key():
         ({"betas": [0.9, 1.5]}, r"betas\[1\]"),
         ({"eps": 0.0}, "eps"),
         ({"var_freeze_step": 0}, "var_freeze_step"),
+        ({"betas": [1.0, 0.999]}, r"betas\[0\]"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"local_step_clipper": 0}, "local_step_clipper"),
+        ({"var_update_scaler": 2**40}, "var_update_scaler"),
     ):
         with pytest.raises(ValueError, match=rf"^ZeroOneAdam param {key}: "):
             ozo.from_deepspeed_config({"type": "ZeroOneAdam", "params": params}, axis_name="w")

@@ -18,6 +18,15 @@ import optax
 from optax_zero_one.core import _graph
 
 
+class ArgumentError(ValueError):
+    """A bad value of one named argument of a constructor: ``argument`` is its name, so that a
+    front end that took the value from elsewhere (a DeepSpeed config) can say where."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
 def is_static_number(value: Any) -> bool:
     """True for Python/NumPy numbers (checkable now); False for tracers and schedules."""
     return isinstance(value, int | float | np.number) and not isinstance(value, bool)
@@ -66,17 +75,18 @@ def check_int(name: str, value: Any, minimum: int) -> None:
     """
     if isinstance(value, jax.Array | np.ndarray | np.generic) and not isinstance(value, bool):
         if not jnp.issubdtype(jnp.result_type(value), jnp.integer) or jnp.ndim(value) != 0:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+            raise ArgumentError(name, f"{name} must be an integer >= {minimum}, got {value!r}.")
         if isinstance(value, jax.core.Tracer):
             return
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+        raise ArgumentError(name, f"{name} must be an integer >= {minimum}, got {value!r}.")
     if value > INT32_MAX:
         never = "a step beyond" if name.endswith("step") else "a value larger than"
-        raise ValueError(
+        raise ArgumentError(
+            name,
             f"{name}={value} does not fit the optimizer's int32 step counters (at most "
-            f"{INT32_MAX}). For 'never', pass {never} the run's length, e.g. 10**9."
+            f"{INT32_MAX}). For 'never', pass {never} the run's length, e.g. 10**9.",
         )
 
 
@@ -87,19 +97,22 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
     a string or ``None`` is refused (``True`` was taken as 1 and ``b1=True`` trained nothing)."""
     bracket = ")" if high_open else "]"
     if isinstance(value, bool | np.bool_ | str) or value is None:
-        raise ValueError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}.")
+        raise ArgumentError(
+            name, f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}."
+        )
     dtype = getattr(value, "dtype", None)
     is_array = isinstance(value, jax.Array | np.ndarray | np.generic)
     if not (is_static_number(value) or is_array) or (is_array and np.ndim(value) != 0):
         shape = f"an array of shape {np.shape(value)}" if is_array else repr(value)
-        raise ValueError(
+        raise ArgumentError(
+            name,
             f"{name} must be a number in [{low}, {high}{bracket} (one scalar; an injected "
             f"hyperparameter is a scalar array), got {shape}"
             + (
                 ". PyTorch's betas=(b1, b2) are two arguments here."
                 if name == "b1" and isinstance(value, tuple | list)
                 else "."
-            )
+            ),
         )
     value = concrete_number(value)
     if not is_static_number(value):
@@ -113,7 +126,9 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
                 f" (a {dtype} array: it may have rounded there; pass the hyperparameter in "
                 "float32, e.g. optax.inject_hyperparams(..., hyperparam_dtype=jnp.float32))"
             )
-        raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}{hint}.")
+        raise ArgumentError(
+            name, f"{name} must be in [{low}, {high}{bracket}, got {value!r}{hint}."
+        )
 
 
 def check_learning_rate(learning_rate: Any) -> None:
@@ -122,16 +137,18 @@ def check_learning_rate(learning_rate: Any) -> None:
         check_schedule_of("learning_rate", learning_rate)
         return
     if isinstance(learning_rate, jax.Array | np.ndarray) and np.ndim(learning_rate) != 0:
-        raise ValueError(
+        raise ArgumentError(
+            "learning_rate",
             f"learning_rate must be a scalar (one rate for every parameter), got an array of "
             f"shape {np.shape(learning_rate)}; for a rate per group of parameters use "
-            "optax.multi_transform with one optimizer per group."
+            "optax.multi_transform with one optimizer per group.",
         )
     if isinstance(learning_rate, bool | np.bool_) or not (
         is_static_number(learning_rate) or isinstance(learning_rate, jax.Array | np.ndarray)
     ):
-        raise ValueError(
-            f"learning_rate must be a float or an optax.Schedule, got {learning_rate!r}."
+        raise ArgumentError(
+            "learning_rate",
+            f"learning_rate must be a float or an optax.Schedule, got {learning_rate!r}.",
         )
     check_range("learning_rate", learning_rate, 0.0, float("inf"), high_open=True)
 
@@ -154,9 +171,10 @@ def check_schedule_of(name: str, schedule: Any) -> None:
     try:
         inspect.signature(schedule).bind(0)
     except TypeError:
-        raise ValueError(
+        raise ArgumentError(
+            name,
             f"{name} is a schedule that cannot be called with one argument (the step "
-            f"count): {schedule!r}; {example}."
+            f"count): {schedule!r}; {example}.",
         ) from None
     except ValueError:  # no signature to read (a builtin): let the calls below say
         pass
@@ -165,9 +183,10 @@ def check_schedule_of(name: str, schedule: Any) -> None:
     except _TRACER_ERRORS:
         return
     except TypeError as e:  # e.g. a result that is not an array (a str)
-        raise ValueError(
+        raise ArgumentError(
+            name,
             f"{name} is a schedule that must return a real scalar (a float or a float "
-            f"array of shape ()), {example}; calling it on a step count failed: {e}"
+            f"array of shape ()), {example}; calling it on a step count failed: {e}",
         ) from None
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
     if (
@@ -175,14 +194,16 @@ def check_schedule_of(name: str, schedule: Any) -> None:
         or dtype is None
         or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
     ):
-        raise ValueError(
+        raise ArgumentError(
+            name,
             f"{name} is a schedule returning {out!r}: it must return a real scalar (a "
-            f"float or a float array of shape ()), {example}."
+            f"float or a float array of shape ()), {example}.",
         )
     if shape != ():
-        raise ValueError(
+        raise ArgumentError(
+            name,
             f"{name} is a schedule returning shape {shape}: it must return a scalar "
-            f"(one rate for every parameter), {example}."
+            f"(one rate for every parameter), {example}.",
         )
     if not _graph.backends_started(default=False):
         return  # running it would start a backend (before jax.distributed.initialize, say)
@@ -192,10 +213,11 @@ def check_schedule_of(name: str, schedule: Any) -> None:
     except (*_TRACER_ERRORS, TypeError):
         return  # not concrete (built while tracing): the value is the graph's
     if not (np.isfinite(value) and value >= 0):
-        raise ValueError(
+        raise ArgumentError(
+            name,
             f"{name} is a schedule whose value at step count 0 is {value}: it must be finite "
             "and >= 0 (a NaN would reach every worker's params and the state for good; a "
-            "negative rate climbs the loss)."
+            "negative rate climbs the loss).",
         )
 
 
@@ -639,10 +661,11 @@ def check_variance_measured(freeze: Any, name: str = "") -> None:
         check_int(name or "the freeze step", freeze, 1)  # a step number: an integer
         return
     given = f"{name}={freeze}: " if name else ""
-    raise ValueError(
+    raise ArgumentError(
+        name or "freeze_step",
         f"{given}The variance is frozen after step {freeze}, before any step has measured it: v "
         "would stay 0 and every update would be m / eps, which diverges. Freeze after at "
         "least one step (zero_one_adam's var_freeze_step, onebit_adam's freeze_step >= 1); "
         "DeepSpeed's recipes freeze at the end of the learning-rate warm-up "
-        "(docs/parameters.md)."
+        "(docs/parameters.md).",
     )

@@ -129,11 +129,12 @@ def scale_by_frozen_variance_adam(
     # XLA:CPU): a coordinate that never had a gradient then computes 0 / 0
     eps_now = _checks.concrete_number(eps)  # injected: checked like a number
     if _checks.is_static_number(eps_now) and eps_now < np.finfo(np.float32).tiny:
-        raise ValueError(
+        raise _checks.ArgumentError(
+            "eps",
             f"eps must be >= {np.finfo(np.float32).tiny:.3g} (float32's smallest normal "
             f"number), got {eps_now}: a coordinate whose frozen variance is 0 would divide by zero "
             "at every step after the freeze (a smaller eps is 0 in float32). Use e.g. "
-            "eps=1e-8 (Adam's and DeepSpeed's default)."
+            "eps=1e-8 (Adam's and DeepSpeed's default).",
         )
     policy = variance_policy or policies.VarianceDoubling()
     _checks.check_variance_policy(policy)

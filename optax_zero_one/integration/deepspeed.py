@@ -15,12 +15,12 @@ nothing; a value that would ask for behaviour neither implementation has is reje
 from __future__ import annotations
 
 import numbers
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import optax
 
+from optax_zero_one.core import _checks
 from optax_zero_one.core.onebit_adam import onebit_adam
 from optax_zero_one.core.zero_one_adam import zero_one_adam
 
@@ -178,9 +178,8 @@ def from_deepspeed_config(
     build = zero_one_adam if kind == "ZeroOneAdam" else onebit_adam
     try:
         return build(learning_rate, **common, **{k: int(v) for k, v in own.items()})
-    except ValueError as e:  # a range error names our argument: say which config key it is
-        word = re.match(r"\w*", str(e)).group()
-        key = keys.get(word, word if word in own else None)
+    except _checks.ArgumentError as e:  # names our argument: say which config key it is
+        key = keys.get(e.argument, e.argument if e.argument in own else None)
         if key is None:
             raise
         raise ValueError(f"{kind} param {key}: {e}") from None
