@@ -1,5 +1,5 @@
 # Two entry points for a fresh clone: `make demo` and `make test`. Each creates .venv on first
-# use and reinstalls only when pyproject.toml changes.
+# use and reinstalls only when pyproject.toml or constraints.txt (the pinned versions) changes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,10 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast test-slow lint format clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --upgrade pip -c constraints.txt
+	$(PY) -m pip install --quiet -e ".[dev]" -c constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
