@@ -69,6 +69,7 @@ SLOW_TESTS = {
     "test_nonfinite.py::test_zero_one_adam_drops_a_bad_own_gradient_on_its_worker_only",
     "test_optimizers.py::test_same_run_under_shard_map_pmap_vmap",
     "test_psum_mean.py::test_errors_stay_bounded_over_thousands_of_calls",
+    "test_psum_mean.py::test_errors_stop_growing",
     "test_resume.py::test_killed_runs_resume_bitwise_identically",
     "test_resume.py::test_other_worker_count_fails_clearly_then_resets_and_converges",
     "test_step_kind_traffic.py::test_hinted_programs_hold_no_loop_and_no_conditional",

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 from support import mapping
@@ -189,9 +189,19 @@ def _error_run(key, log_mags, mix, density, n, calls):
     return jax.vmap(worker, axis_name=AXIS)(jax.random.split(key, n), log_mags)
 
 
+def _worker_errors(n, spread, mix, density, seed, calls):
+    """The largest worker error after each call (over workers) and the largest input."""
+    rng = np.random.default_rng(seed)
+    log_mags = rng.uniform(-spread / 2, spread / 2, n)
+    log_mags[0], log_mags[-1] = -spread / 2, spread / 2  # the extremes are always present
+    errors, inputs = _error_run(
+        jax.random.key(seed), jnp.asarray(log_mags, jnp.float32), jnp.asarray(mix), density,
+        n, calls,
+    )  # fmt: skip
+    return np.asarray(errors).max(0), np.asarray(inputs).max().item()
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(n=8, spread=8.0, mix=(0.5, 0.5, 0.2), density=1.0, seed=1)  # disagreeing biases
-@example(n=8, spread=0.0, mix=(1.0, 0.0, 0.05), density=0.3, seed=2)  # agreeing, sparse
 @given(
     n=st.just(8),
     spread=st.floats(0, 8),
@@ -201,25 +211,30 @@ def _error_run(key, log_mags, mix, density, n, calls):
 )
 def test_errors_stay_bounded_over_thousands_of_calls(n, spread, mix, density, seed):
     """Workers up to 10^spread apart in magnitude, biased or noisy, dense or sparse: the errors
-    stop growing and stay within a fixed multiple of the largest input."""
-    calls = 2000
-    rng = np.random.default_rng(seed)
-    log_mags = rng.uniform(-spread / 2, spread / 2, n)
-    log_mags[0], log_mags[-1] = -spread / 2, spread / 2  # the extremes are always present
-    errors, inputs = _error_run(
-        jax.random.key(seed), jnp.asarray(log_mags, jnp.float32), jnp.asarray(mix), density,
-        n, calls,
-    )  # fmt: skip
-    errors, inputs = np.asarray(errors).max(0), np.asarray(inputs).max(0)  # over workers
+    stay within a fixed multiple of the largest input."""
+    errors, biggest_input = _worker_errors(n, spread, mix, density, seed, calls=2000)
     assert np.all(np.isfinite(errors))
-    biggest_input = inputs.max()
     # the mechanism of psum_mean's docstring: |e| settles within ~N sqrt(n) of the largest input
+    # (the worst of 1,500 fresh draws reached 0.37 of it)
     assert errors.max() <= n * math.sqrt(99) * biggest_input
-    # and stops growing (some patterns settle slowly, over ~10^4 calls, so allow some rise;
-    # linear growth, e.g. with no scale at all, doubles from the second quarter to the last).
-    # Over 2,000 calls this cannot tell every bounded fluctuation from growth: e.g. n=8,
-    # spread=1, mix=(0, 1, 1), density=0.25, seed=65535 goes 16.5 -> 32.2 here, then stays in
-    # 22-40 (6.3x its largest input) over 40,000 calls. The draws are fixed (conftest.py).
+
+
+@pytest.mark.parametrize(
+    "spread, mix, density, seed",
+    [
+        (8.0, (0.5, 0.5, 0.2), 1.0, 1),  # workers 10^8 apart, disagreeing biases
+        (0.0, (1.0, 0.0, 0.05), 0.3, 2),  # agreeing, sparse
+    ],
+)
+def test_errors_stop_growing(spread, mix, density, seed):
+    """On fixed inputs, the errors stop growing: the last quarter of 2,000 calls stays within
+    1.6x the second's (linear growth, e.g. with no scale at all, doubles). Not a property test:
+    over 2,000 calls a bounded fluctuation can rise as much (13 of 1,500 fresh draws of the
+    strategies above failed this bound, by up to 1.4x; e.g. spread=1, mix=(0, 1, 1),
+    density=0.25, seed=65535 goes 16.5 -> 32.2, then stays in 22-40, 6.3x its largest input,
+    over 40,000 calls), so the drawn inputs above check the bound only."""
+    calls = 2000
+    errors, biggest_input = _worker_errors(8, spread, mix, density, seed, calls)
     q = calls // 4
     assert errors[3 * q :].max() <= 1.6 * errors[q : 2 * q].max() + 1e-6 * biggest_input
 
