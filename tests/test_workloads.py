@@ -25,4 +25,8 @@ def test_char_lm_on_the_stdlib_corpus():
     assert batch.shape == (2, 8, 17) and batch.max() < work.data["vocab"]
     np.testing.assert_array_equal(batch, work.train_batch(0))  # batches follow (seed, step)
     pydoc = workloads.char_lm(2, context=16, dim=16, heads=2, layers=1)
-    assert pydoc.data["corpus"] == "pydoc" and pydoc.data["chars_train"] == 418_613
+    # 90% of the help topics joined (418,613 characters on Python 3.11.7; each release moves it)
+    from pydoc_data.topics import topics
+
+    joined = sum(map(len, topics.values())) + 2 * (len(topics) - 1)
+    assert pydoc.data["corpus"] == "pydoc" and pydoc.data["chars_train"] == int(0.9 * joined)
