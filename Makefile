@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip -c constraints.txt
-	$(PY) -m pip install --quiet -e ".[dev]" -c constraints.txt
+	$(PY) -m pip install --quiet -e ".[dev]" -c constraints.txt --build-constraint constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
