@@ -5,6 +5,7 @@ not handle yet are ``xfail(strict=True)`` with the reason and the fix, so that f
 the suite red until the mark is removed.
 """
 
+import pickle
 import subprocess
 import sys
 import warnings
@@ -815,6 +816,17 @@ def test_deepspeed_range_errors_name_the_config_key():
     ):
         with pytest.raises(ValueError, match=rf"^ZeroOneAdam param {key}: "):
             ozo.from_deepspeed_config({"type": "ZeroOneAdam", "params": params}, axis_name="w")
+    # the mapping reads the argument the error carries, not its wording; the error survives a
+    # trip between processes
+    with pytest.raises(ValueError) as caught:
+        ozo.zero_one_adam(1e-3, b2=1.5, axis_name="w")
+    assert caught.value.argument == "b2"
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert (type(again), again.argument, str(again)) == (
+        type(caught.value),
+        "b2",
+        str(caught.value),
+    )
     with pytest.raises(ValueError, match=r"^learning_rate is a schedule whose value"):
         ozo.from_deepspeed_config(
             {"type": "OneBitAdam", "params": {"lr": 1e-3}},

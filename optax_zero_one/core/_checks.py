@@ -26,6 +26,9 @@ class ArgumentError(ValueError):
         super().__init__(message)
         self.argument = argument
 
+    def __reduce__(self) -> tuple:  # pickled and copied with both arguments
+        return type(self), (self.argument, str(self))
+
 
 def is_static_number(value: Any) -> bool:
     """True for Python/NumPy numbers (checkable now); False for tracers and schedules."""
@@ -658,7 +661,7 @@ def check_variance_measured(freeze: Any, name: str = "") -> None:
     if not is_static_number(freeze) or isinstance(freeze, bool):
         return
     if freeze >= 1:
-        check_int(name or "the freeze step", freeze, 1)  # a step number: an integer
+        check_int(name or "freeze_step", freeze, 1)  # a step number: an integer
         return
     given = f"{name}={freeze}: " if name else ""
     raise ArgumentError(
