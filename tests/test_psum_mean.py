@@ -235,6 +235,8 @@ def test_errors_stop_growing(spread, mix, density, seed):
     over 40,000 calls), so the drawn inputs above check the bound only."""
     calls = 2000
     errors, biggest_input = _worker_errors(8, spread, mix, density, seed, calls)
+    assert np.all(np.isfinite(errors))
+    assert errors.max() <= 8 * math.sqrt(99) * biggest_input  # the bound, on these inputs too
     q = calls // 4
     assert errors[3 * q :].max() <= 1.6 * errors[q : 2 * q].max() + 1e-6 * biggest_input
 
