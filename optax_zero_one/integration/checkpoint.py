@@ -50,16 +50,12 @@ def _one_worker(tree: Any) -> bool:
     leaves = jax.tree_util.tree_leaves_with_path(_items(tree))
     counters = [leaf for path, leaf in leaves if path and _key_name(path[-1]) == "count"]
     if counters:
-        return all(not _shape(leaf) for leaf in counters)
-    return any(not _shape(leaf) for _, leaf in leaves)
+        return all(not workers.shape_of(leaf) for leaf in counters)
+    return any(not workers.shape_of(leaf) for _, leaf in leaves)
 
 
 def _key_name(key: Any) -> Any:
     return getattr(key, "name", getattr(key, "key", None))
-
-
-def _shape(leaf: Any) -> tuple[int, ...]:
-    return tuple(getattr(leaf, "shape", np.shape(leaf)))
 
 
 def worker_count(tree: Any) -> int:
@@ -225,9 +221,9 @@ def _saved_nodes(tree: Any) -> int | None:
     for: the rows of each worker's ``worker_error`` buffer (``OnebitMeanState``'s field, found
     by name, as a checkpoint's metadata has no classes); ``None`` without such a buffer."""
     rows = {
-        _shape(leaf)[-2]  # (workers, [model shards,] rows, C)
+        workers.shape_of(leaf)[-2]  # (workers, [model shards,] rows, C)
         for path, leaf in jax.tree_util.tree_leaves_with_path(_items(tree))
-        if "worker_error" in jax.tree_util.keystr(path) and len(_shape(leaf)) >= 3
+        if "worker_error" in jax.tree_util.keystr(path) and len(workers.shape_of(leaf)) >= 3
     }
     return next(iter(rows)) if len(rows) == 1 else None
 

@@ -54,13 +54,19 @@ def replicate(tree: Any, num_workers: int, sharding: jax.sharding.Sharding | Non
     return out if sharding is None else jax.device_put(out, sharding)
 
 
+def shape_of(leaf: Any) -> tuple[int, ...]:
+    """The shape of an array or of anything with a ``shape`` (``jax.ShapeDtypeStruct``, Orbax's
+    metadata); ``()`` for a Python number."""
+    return tuple(getattr(leaf, "shape", np.shape(leaf)))
+
+
 def leading_axes(tree: Any) -> dict[int, str]:
     """The leading axis sizes of the non-scalar leaves of ``tree`` (arrays, or anything with a
     ``shape``: ``jax.ShapeDtypeStruct``, Orbax's metadata), each with the first leaf that has
     it: one entry for a tree in the worker layout."""
     found: dict[int, str] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+        shape = shape_of(leaf)
         if shape:
             found.setdefault(shape[0], _checks.leaf_name(path))
     return found
