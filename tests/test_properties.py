@@ -182,12 +182,15 @@ def walk(policy, predicate, first, last):
 
 
 class CountingPolicy:
-    """A policy that counts the steps its ``next`` is asked to walk."""
+    """A policy that counts the steps its ``next`` is asked to walk: a user's policy, with no
+    closed-form ``jump`` (the walk then steps through ``next``)."""
 
     def __init__(self, policy):
         self.policy, self.walked = policy, 0
 
     def __getattr__(self, name):
+        if name == "jump":
+            raise AttributeError(name)
         return getattr(self.policy, name)
 
     def next(self, state, k):
@@ -211,6 +214,59 @@ def test_schedule_kind_resumes_its_walk(s, asked):
     for k in range(1, 121):
         assert schedule.kinds.index(schedule.kind(k)) == expected[k - 1]
     assert sum(c.walked for c in counting) == 119  # once per step, not once per step per call
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules(), st.integers(0, 300), st.integers(0, 1_500))
+def test_a_policy_jump_is_its_steps_one_by_one(s, before, length):
+    """Each built-in policy's closed-form ``jump(state, first, last)`` is the state its
+    ``next`` gives over ``first..last`` one step at a time, from any state a walk reaches."""
+    for policy in (
+        ozo.VarianceDoubling(10**6, s["kappa"]),
+        ozo.LocalStepDoubling(s["alpha"], s["clipper"]),
+        ozo.SyncEvery(s["alpha"]),
+        ozo.FullPrecisionWarmup(s["freeze"]),
+    ):
+        state = policy.init()
+        for k in range(1, before + 1):
+            state = policy.next(state, k)
+        want = state
+        for k in range(before + 1, before + length + 1):
+            want = policy.next(want, k)
+        got = policy.jump(state, before + 1, before + length)
+        assert tuple(got) == tuple(int(x) for x in want)
+        assert all(type(x) is int for x in got)
+
+
+def test_the_kind_of_a_far_step_is_found_without_walking_every_step():
+    """A run resumed far into training asks its schedule for the kind of a step 10^7 or 2^31 - 1
+    steps in: the built-in policies jump there (walking step by step took ~6 s per 10^7 steps).
+    The kinds agree with a step-by-step walk where one is affordable (10^5 steps)."""
+    schedule = ozo.zero_one_schedule(500, 16, 2_200, 16)
+    counting = CountingPolicy(schedule.variance_policy), CountingPolicy(schedule.local_step_policy)
+    stepped = ozo.StepSchedule(*counting).indices(100_000)
+    assert sum(c.walked for c in counting) == 100_000 - 1
+    rng = np.random.default_rng(0)
+    for k in rng.integers(1, 100_001, 300):
+        fresh = ozo.zero_one_schedule(500, 16, 2_200, 16)  # each walk from step 1
+        assert fresh.kinds.index(fresh.kind(int(k))) == stepped[k - 1]
+
+    class NoStepping:  # the library's policies, with `next` refused on the host
+        def __init__(self, policy):
+            self.policy = policy
+
+        def __getattr__(self, name):
+            return getattr(self.policy, name)
+
+        def next(self, state, k):
+            raise AssertionError("walked step by step")
+
+    far = ozo.StepSchedule(
+        *(NoStepping(p) for p in (schedule.variance_policy, schedule.local_step_policy))
+    )
+    # phase B at H = 16: a sync on the multiples of 16 only
+    assert far.kind(10**7).name == "sync" and far.kind(2**31 - 1).name == "local"
+    assert far.kind(2**31 - 16).name == "sync" and far.kind(499).name == "compressed"
 
 
 @settings(max_examples=200, deadline=None)

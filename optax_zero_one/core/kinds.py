@@ -191,9 +191,9 @@ class StepSchedule:
     def kind(self, step: int) -> StepKind:
         """The kind of update ``step`` (1-based). Asked for growing steps, as a training loop
         asks, it resumes the walk of the policies where the last call left it (constant time
-        per step); asked for an earlier step, it walks again from step 1 (~1 us a step: a
-        100,000-step run in ~0.1 s). Each call walking from step 1 cost a loop ~55 us of host
-        time at step 64, and grew with the step."""
+        per step); asked for an earlier step, it walks again from step 1, jumping over the
+        steps in between where the policies have a closed form (the library's own: ~10 us for
+        any step; a policy without ``jump`` ~0.6 us a step)."""
         with _WALK_LOCK:
             if self._walk is None:
                 object.__setattr__(self, "_walk", _Walk(self))
@@ -241,8 +241,8 @@ class _Walk:
         """The kind of ``step`` (>= every step asked before; restarts the walk otherwise)."""
         if step <= self.step:
             self.__init__(self.schedule)
-        while self.step < step - 1:
-            self._advance(self.step + 1)
+        if self.step < step - 1:
+            self._advance_to(step - 1)
         return self._kind(step)
 
     def _kind(self, k: int) -> StepKind:
@@ -256,12 +256,27 @@ class _Walk:
             return ONEBIT_COMPRESSED
         return SYNC if bool(lp.is_sync_step(self.local, k)) else LOCAL
 
-    def _advance(self, k: int) -> None:
-        if k <= self.freeze:
-            self.variance = self.schedule.variance_policy.next(self.variance, k)
-        elif self.local is not None:
-            self.local = self.schedule.local_step_policy.next(self.local, k)
-        self.step = k
+    def _advance_to(self, last: int) -> None:
+        """The policies advanced through step ``last``: phase A's steps by the variance policy,
+        phase B's by the local-step policy, each in one jump where the policy has one."""
+        first, self.step = self.step + 1, last
+        if first <= min(last, self.freeze):
+            vp = self.schedule.variance_policy
+            self.variance = _jump(vp, self.variance, first, min(last, self.freeze))
+        if self.local is not None and max(first, self.freeze + 1) <= last:
+            lp = self.schedule.local_step_policy
+            self.local = _jump(lp, self.local, max(first, self.freeze + 1), last)
+
+
+def _jump(policy: Any, state: Any, first: int, last: int) -> Any:
+    """``policy``'s state after steps ``first..last``: its closed-form ``jump`` if it has one
+    (the library's policies do), else ``next`` step by step."""
+    jump = getattr(policy, "jump", None)
+    if callable(jump):
+        return jump(state, first, last)
+    for k in range(first, last + 1):
+        state = policy.next(state, k)
+    return state
 
 
 def zero_one_schedule(

@@ -16,6 +16,11 @@ number ``k`` (1-based):
 - ``next(state, k) -> state``: the state after step ``k`` (called for every step of the phase the
   policy governs).
 
+Optionally, ``jump(state, first, last) -> state``: what ``next`` gives after steps ``first..last``
+one by one, on Python ints, in closed form. The host's walk of a schedule
+(:class:`~optax_zero_one.StepSchedule`) uses it to find the kind of a far step (a run resumed at
+step 10^7) in microseconds; without it the walk calls ``next`` for every step (~0.6 us each).
+
 They use only arithmetic that works on Python ints *and* traced ``jax.Array``s, so the same
 code runs inside the optimizer's compiled step and in a plain Python loop that lists the
 schedule of a 100k-step run in a fraction of a second (:func:`variance_steps`,
@@ -94,6 +99,14 @@ class _IntervalDoubling:
         interval = state.interval + full * _minimum(state.interval, cap - state.interval)
         return IntervalState(interval, counter * (1 - full))
 
+    @staticmethod
+    def _doubled(interval: int, times: int, clip: int | None) -> int:
+        """``interval`` doubled ``times`` times as :meth:`_counted` doubles it (host ints)."""
+        cap = _checks.INT32_MAX if clip is None else clip
+        for _ in range(min(times, 64)):  # at the cap within 31 doublings
+            interval += min(interval, cap - interval)
+        return interval
+
 
 @dataclasses.dataclass(frozen=True)
 class VarianceDoubling(_IntervalDoubling):
@@ -130,6 +143,18 @@ class VarianceDoubling(_IntervalDoubling):
     def next(self, state: IntervalState, step: Any) -> IntervalState:
         """State after step ``k``: count variance steps, double the interval every ``kappa``."""
         return self._counted(state, self._due(state, step), self.update_scaler, None)
+
+    def jump(self, state: IntervalState, first: int, last: int) -> IntervalState:
+        """The state :meth:`next` gives after steps ``first..last`` (host ints, closed form:
+        one loop turn per doubling of the interval)."""
+        interval, counter, done = int(state.interval), int(state.counter), first - 1
+        while True:
+            # the variance steps after `done` are the multiples of the interval; the
+            # (kappa - counter)-th of them doubles it
+            doubling = (done // interval + self.update_scaler - counter) * interval
+            if doubling > last:
+                return IntervalState(interval, counter + last // interval - done // interval)
+            interval, counter, done = self._doubled(interval, 1, None), 0, doubling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +193,12 @@ class LocalStepDoubling(_IntervalDoubling):
         """State after phase-B step ``k``: count it; every ``alpha`` steps double the interval."""
         del step
         return self._counted(state, 1, self.scaler, self.clipper)
+
+    def jump(self, state: IntervalState, first: int, last: int) -> IntervalState:
+        """The state :meth:`next` gives after steps ``first..last`` (host ints, closed form)."""
+        counted = int(state.counter) + max(last - first + 1, 0)
+        doublings, counter = divmod(counted, self.scaler)
+        return IntervalState(self._doubled(int(state.interval), doublings, self.clipper), counter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +239,11 @@ class SyncEvery:
         del step
         return state
 
+    def jump(self, state: tuple, first: int, last: int) -> tuple:
+        """Nothing to count."""
+        del first, last
+        return state
+
 
 @dataclasses.dataclass(frozen=True)
 class FullPrecisionWarmup:
@@ -241,6 +277,11 @@ class FullPrecisionWarmup:
     def next(self, state: tuple, step: Any) -> tuple:
         """Nothing to count."""
         del step
+        return state
+
+    def jump(self, state: tuple, first: int, last: int) -> tuple:
+        """Nothing to count."""
+        del first, last
         return state
 
 
