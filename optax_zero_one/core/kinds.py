@@ -241,8 +241,10 @@ class _Walk:
         """The kind of ``step`` (>= every step asked before; restarts the walk otherwise)."""
         if step <= self.step:
             self.__init__(self.schedule)
-        if self.step < step - 1:
-            self._advance_to(step - 1)
+        if step - 1 - self.step > 16:  # far ahead: jump (a loop's next step: one `next`)
+            self._jump_to(step - 1)
+        while self.step < step - 1:
+            self._advance(self.step + 1)
         return self._kind(step)
 
     def _kind(self, k: int) -> StepKind:
@@ -256,7 +258,14 @@ class _Walk:
             return ONEBIT_COMPRESSED
         return SYNC if bool(lp.is_sync_step(self.local, k)) else LOCAL
 
-    def _advance_to(self, last: int) -> None:
+    def _advance(self, k: int) -> None:
+        if k <= self.freeze:
+            self.variance = self.schedule.variance_policy.next(self.variance, k)
+        elif self.local is not None:
+            self.local = self.schedule.local_step_policy.next(self.local, k)
+        self.step = k
+
+    def _jump_to(self, last: int) -> None:
         """The policies advanced through step ``last``: phase A's steps by the variance policy,
         phase B's by the local-step policy, each in one jump where the policy has one."""
         first, self.step = self.step + 1, last
