@@ -911,6 +911,30 @@ def test_building_an_optimizer_starts_no_backend():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_a_schedule_built_before_any_backend_is_checked_at_init():
+    """An optimizer built before any backend ran (a script's first lines) could not run its
+    schedules then: a rate that is NaN at count 0 went unchecked into training. ``init`` checks
+    the value once, as traced under vmap (the schedule's value is computed at trace time)."""
+    code = (
+        "import jax, jax.numpy as jnp, optax, optax_zero_one as ozo\n"
+        "from jax._src import xla_bridge\n"
+        "nan = lambda c: jnp.where(c == 0, jnp.nan, 1e-3)\n"
+        "txs = [ozo.zero_one_adam(nan, axis_name='w'), ozo.onebit_adam(nan, axis_name='w'),\n"
+        "       ozo.zero_one_adam(1e-3, weight_decay=lambda c: -1e-2 + 0 * c, axis_name='w')]\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+        "for tx, name in zip(txs, ['learning_rate', 'learning_rate', 'weight_decay']):\n"
+        "    try:\n"
+        "        jax.vmap(tx.init, axis_name='w')(jnp.zeros((2, 3)))\n"
+        "    except ValueError as e:\n"
+        "        assert f'{name} is a schedule whose value at step count 0' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('init did not check the schedule')\n"
+        "good = ozo.zero_one_adam(optax.cosine_decay_schedule(1e-3, 100), axis_name='w')\n"
+        "jax.vmap(good.init, axis_name='w')(jnp.zeros((2, 3)))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_the_last_review_of_the_checks():
     """A review of the fixes above: a (nodes, per_node) pair of 0-d int arrays was refused
     where one such array passed, a jax.pmap'd step got through as compile_kind, compressed_steps

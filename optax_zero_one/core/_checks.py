@@ -208,11 +208,17 @@ def check_schedule_of(name: str, schedule: Any) -> None:
             f"{name} is a schedule returning shape {shape}: it must return a scalar "
             f"(one rate for every parameter), {example}.",
         )
-    if not _graph.backends_started(default=False):
-        return  # running it would start a backend (before jax.distributed.initialize, say)
+    if _graph.backends_started(default=False):
+        _check_schedule_value(name, schedule)
+    # else running it would start a backend (before jax.distributed.initialize, say): the
+    # optimizer's init checks it (schedules_checked_at_init)
+
+
+def _check_schedule_value(name: str, schedule: Any) -> None:
+    """The value of a schedule at count 0, finite and >= 0 (where it can be computed)."""
     try:
-        first = schedule(jnp.zeros((), jnp.int32))
-        value = float(first)
+        with jax.ensure_compile_time_eval():  # concrete, even where init is traced
+            value = float(schedule(jnp.zeros((), jnp.int32)))
     except (*_TRACER_ERRORS, TypeError):
         return  # not concrete (built while tracing): the value is the graph's
     if not (np.isfinite(value) and value >= 0):
@@ -222,6 +228,27 @@ def check_schedule_of(name: str, schedule: Any) -> None:
             "and >= 0 (a NaN would reach every worker's params and the state for good; a "
             "negative rate climbs the loss).",
         )
+
+
+def schedules_checked_at_init(
+    tx: optax.GradientTransformationExtraArgs, **hyperparameters: Any
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose ``init`` checks the values at count 0 of the ``hyperparameters`` that are
+    schedules, once: an optimizer built before any JAX backend ran (a script's first lines,
+    before ``jax.distributed.initialize``) could not run them at construction
+    (:func:`check_schedule_of`), and a NaN rate would reach every worker's params."""
+    pending = {n: s for n, s in hyperparameters.items() if callable(s)}
+    if not pending:
+        return tx
+
+    def init_fn(params: Any) -> Any:
+        if pending and _graph.backends_started(default=True):
+            for name, schedule in list(pending.items()):
+                _check_schedule_value(name, schedule)
+                del pending[name]
+        return tx.init(params)
+
+    return tx._replace(init=init_fn)
 
 
 def check_weight_decay(weight_decay: Any) -> None:

@@ -101,7 +101,9 @@ def scale_by_onebit_adam(
     if learning_rate is not None:
         steps.append(optax.scale_by_learning_rate(learning_rate))
     guarded = skip_not_finite(optax.chain(*steps))
-    return flatten_over(guarded, comm)
+    return _checks.schedules_checked_at_init(
+        flatten_over(guarded, comm), learning_rate=learning_rate, weight_decay=weight_decay
+    )
 
 
 def onebit_adam(

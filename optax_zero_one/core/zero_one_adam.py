@@ -188,7 +188,9 @@ def scale_by_zero_one_adam(
         start_step=variance_policy.freeze_step,
         rule=FrozenAdamSync(learning_rate, eps, variance_policy),
     )
-    return flatten_over(synced, comm)
+    return _checks.schedules_checked_at_init(
+        flatten_over(synced, comm), learning_rate=learning_rate, weight_decay=weight_decay
+    )
 
 
 def zero_one_adam(
