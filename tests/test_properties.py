@@ -238,7 +238,7 @@ def test_a_policy_jump_is_its_steps_one_by_one(s, before, length):
         assert all(type(x) is int for x in got)
 
 
-def test_the_kind_of_a_far_step_is_found_without_walking_every_step():
+def test_the_kind_of_a_far_step_is_found_without_walking_every_step(monkeypatch):
     """A run resumed far into training asks its schedule for the kind of a step 10^7 or 2^31 - 1
     steps in: the built-in policies jump there (walking step by step took ~6 s per 10^7 steps).
     The kinds agree with a step-by-step walk where one is affordable (10^5 steps)."""
@@ -251,22 +251,35 @@ def test_the_kind_of_a_far_step_is_found_without_walking_every_step():
         fresh = ozo.zero_one_schedule(500, 16, 2_200, 16)  # each walk from step 1
         assert fresh.kinds.index(fresh.kind(int(k))) == stepped[k - 1]
 
-    class NoStepping:  # the library's policies, with `next` refused on the host
-        def __init__(self, policy):
-            self.policy = policy
+    def refused(self, state, k):
+        raise AssertionError("walked step by step")
 
-        def __getattr__(self, name):
-            return getattr(self.policy, name)
-
-        def next(self, state, k):
-            raise AssertionError("walked step by step")
-
-    far = ozo.StepSchedule(
-        *(NoStepping(p) for p in (schedule.variance_policy, schedule.local_step_policy))
-    )
+    for cls in (ozo.VarianceDoubling, ozo.LocalStepDoubling):
+        monkeypatch.setattr(cls, "next", refused)
+    far = ozo.zero_one_schedule(500, 16, 2_200, 16)
     # phase B at H = 16: a sync on the multiples of 16 only
     assert far.kind(10**7).name == "sync" and far.kind(2**31 - 1).name == "local"
     assert far.kind(2**31 - 16).name == "sync" and far.kind(499).name == "compressed"
+
+
+def test_a_policy_that_overrides_next_alone_is_walked_with_its_own_next():
+    """A subclass of a library policy that changes ``next`` inherits a ``jump`` written for
+    the parent's: the walk must not take it (a trial: a tripling interval jumped as a doubling
+    one, and a resume refused the optimizer's own state as saved under other arguments)."""
+
+    class Tripling(ozo.LocalStepDoubling):
+        def next(self, state, step):
+            full = state.counter + 1 >= self.scaler
+            interval = state.interval * 3 if full else state.interval
+            return ozo.core.policies.IntervalState(interval, 0 if full else state.counter + 1)
+
+    variance, local = ozo.VarianceDoubling(4, 2), Tripling(40, 10**6)
+    in_order = ozo.StepSchedule(variance, local).indices(400)
+    for k in (30, 81, 250, 400):
+        fresh = ozo.StepSchedule(variance, local)
+        assert fresh.kinds.index(fresh.kind(k)) == in_order[k - 1]
+    sync_gaps = np.diff(np.flatnonzero(in_order == 3))
+    assert sync_gaps.max() >= 27  # the interval did triple (1, 3, 9, 27, ...)
 
 
 @settings(max_examples=200, deadline=None)

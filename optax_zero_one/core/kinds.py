@@ -279,13 +279,25 @@ class _Walk:
 
 def _jump(policy: Any, state: Any, first: int, last: int) -> Any:
     """``policy``'s state after steps ``first..last``: its closed-form ``jump`` if it has one
-    (the library's policies do), else ``next`` step by step."""
-    jump = getattr(policy, "jump", None)
-    if callable(jump):
-        return jump(state, first, last)
+    that belongs with its ``next`` (the library's policies), else ``next`` step by step."""
+    if _jump_belongs(type(policy)):
+        return policy.jump(state, first, last)
     for k in range(first, last + 1):
         state = policy.next(state, k)
     return state
+
+
+def _jump_belongs(cls: type) -> bool:
+    """Whether ``cls``'s ``jump`` was written for its ``next``: defined by the class that
+    defines ``next`` or by a subclass of it. A subclass of a library policy that overrides
+    ``next`` alone inherits a ``jump`` that is not its closed form (a trial: a resume then
+    refused the optimizer's own state); a wrapper forwarding attributes has neither."""
+
+    def owner(name: str) -> type | None:
+        return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+    jump, step = owner("jump"), owner("next")
+    return jump is not None and step is not None and issubclass(jump, step)
 
 
 def zero_one_schedule(
