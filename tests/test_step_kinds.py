@@ -596,6 +596,27 @@ def test_a_state_restored_under_other_schedule_arguments_is_refused_at_once(othe
     assert_same_bits(s, before)  # nothing ran
 
 
+def test_a_phase_a_state_restored_under_another_var_update_scaler_is_refused_at_once():
+    """A trial: saved in phase A with var_update_scaler 2 and resumed with 3, the state's
+    variance counters were never compared, and a
+    dispatcher refused the kinds its walk gave for 7 steps before it said so (a loop deciding
+    in the graph got no error at all). The counters of every state that keeps them are
+    compared with the walk at the first call now, while they still act (phase A)."""
+    tx = zero_one()
+    params, run = params0(), _dispatched(tx)
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    for k in range(1, 8):  # variance steps 1, 2, 4, 6: interval 4 (with kappa 3: 2, 2 counted)
+        params, state = run(params, state, grads_at(k))
+    other = ozo.StepSchedule(ozo.VarianceDoubling(freeze_step=8, update_scaler=3), LOCAL)
+    ozo.check_schedule(state, SCHEDULE)
+    with pytest.raises(ValueError, match=r"State.variance_policy is \[4, 0\].* give \[2, 2\]"):
+        ozo.check_schedule(state, other)
+    before = jax.tree.map(np.asarray, state)
+    with pytest.raises(ValueError, match=r"state at step 7 is not where this schedule puts it"):
+        _dispatched_with(tx, schedule=other)(params, state, grads_at(50))
+    assert_same_bits(state, before)  # nothing ran
+
+
 def test_a_state_inside_a_dataclass_is_checked_as_a_bare_one():
     """A dataclass holding the optax state (a Flax TrainState) hid the library's states from
     the dispatcher's checks, which walked tuples, lists and mappings only: a restore under

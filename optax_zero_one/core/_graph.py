@@ -579,8 +579,8 @@ def shared_values(state: Any) -> list[tuple[type, Any]]:
 
 def walked_states(state: Any) -> list[Any]:
     """The states in ``state`` whose class predicts fields from a host's walk of the schedule
-    (a static ``walked(local_step_policy, begun)``: :class:`~optax_zero_one.LocalStepSyncState`),
-    outermost first."""
+    (a static ``walked(walked)``: :class:`~optax_zero_one.LocalStepSyncState`, and the states
+    that keep a variance policy's counters), outermost first."""
     return [n for n in state_nodes(state) if callable(getattr(n, "walked", None))]
 
 

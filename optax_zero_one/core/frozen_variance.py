@@ -48,6 +48,7 @@ class FrozenVarianceAdamState(NamedTuple):
     STEP_COUNTER = "count"
     REFUSED_HINT = "refused_hint"
     BRANCHES = ("update v (variance step)", "keep v (phase A)", "frozen v (phase B)")
+    walked = staticmethod(policies.variance_walked)  # compared after a restore
     # A skipped step (a mean that is not finite, a refused hint) keeps ``count``, and every
     # other step's output is finite (eps > 0): wrappers read the skip from the counter.
     SKIP_KEEPS_COUNTER = True

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -398,13 +398,24 @@ def check_hints(state: Any) -> None:
         )
 
 
+class Walked(NamedTuple):
+    """What a host's walk of a schedule predicts of a state at its step count, as a state
+    class's ``walked(walked)`` hook reads it (:func:`check_schedule`): the variance policy's
+    counters, the local-step policy's (``None`` for a schedule without one), and whether
+    phase B (local steps) has begun."""
+
+    variance: Any
+    local: Any
+    begun: bool
+
+
 def check_schedule(
     state: Any, schedule: StepSchedule, count: int | None = None, walk: _Walk | None = None
 ) -> None:
     """Raises ``ValueError`` if ``state`` is not where ``schedule`` puts it; one small read.
 
-    A state carries its policies' history: the local-step policy's counters and whether local
-    steps have begun. A state saved by a run with other schedule arguments (another
+    A state carries its policies' history: the variance and local-step policies' counters and
+    whether local steps have begun. A state saved by a run with other schedule arguments (another
     ``var_freeze_step``, scaler, clipper or ``start_step``) and restored into an optimizer
     built with new ones is not where the new policies put it; in the graph it trains on (0/1
     Adam resumed in phase B with a later freeze diverged some 20 steps later). Call this once
@@ -421,20 +432,21 @@ def check_schedule(
     _check_schedule_argument("check_schedule", state, schedule)
     count = step_count(state) if count is None else count  # raises for a tree without one
     nodes = _graph.walked_states(state)
-    if nodes and schedule.local_step_policy is None:
-        raise ValueError(
-            f"The optimizer state has local steps ({type(nodes[0]).__name__}), but the schedule "
-            "has no local-step policy (1-bit Adam's kinds): it is not this optimizer's schedule. "
-            "Build it from the optimizer's own arguments (ozo.zero_one_schedule(...), "
-            "ozo.diloco_schedule(...), ozo.local_step_schedule(...))."
-        )
     if not nodes:
         return
     walk = _Walk(schedule) if walk is None else walk
     walk.kind(count + 1)  # the policies advanced through step `count`, as the optimizer did
-    begun = count > walk.freeze
+    walked = Walked(walk.variance, walk.local, count > walk.freeze)
     for node in nodes:
-        for field, want in type(node).walked(walk.local, begun):
+        for field, want in type(node).walked(walked):
+            if want is None:
+                raise ValueError(
+                    f"The optimizer state keeps {type(node).__name__}.{field}, which this "
+                    "schedule has no policy for (the state has local steps and the schedule 1-bit "
+                    "Adam's kinds): it is not this optimizer's schedule. Build it from the "
+                    "optimizer's own arguments (ozo.zero_one_schedule(...), "
+                    "ozo.diloco_schedule(...), ozo.local_step_schedule(...))."
+                )
             got, want = jax.tree.leaves(getattr(node, field)), jax.tree.leaves(want)
             if len(got) != len(want) or any(np.size(w) != 1 for w in want):
                 continue  # a policy of another shape: nothing to compare
@@ -446,8 +458,9 @@ def check_schedule(
                 f"{type(node).__name__}.{field} is {[np.asarray(g).item() for g in got]}, the "
                 f"schedule's policies give {[np.asarray(w).item() for w in want]} (local steps "
                 f"begin after step {walk.freeze}). The state was saved by a run with other "
-                "schedule arguments (var_freeze_step, local_step_scaler, local_step_clipper; "
-                "sync_every, start_step), or the schedule is not the optimizer's. A state "
+                "schedule arguments (var_freeze_step, var_update_scaler, local_step_scaler, "
+                "local_step_clipper; sync_every, start_step), or the schedule is not the "
+                "optimizer's. A state "
                 "carries its policies' history, which other arguments do not replay (in the "
                 "graph such a state trains on and may diverge): resume with the arguments it "
                 "was trained with (docs/reliability.md)."

@@ -77,13 +77,14 @@ class LocalStepSyncState(NamedTuple):
     BRANCHES = ("pass through (before start_step)", "a local step", "a sync")
 
     @staticmethod
-    def walked(local_step_policy: Any, begun: bool) -> tuple[tuple[str, Any], ...]:
-        """The fields a host's walk of the schedule predicts, as ``(field, value)``: the
+    def walked(walked: Any) -> tuple[tuple[str, Any], ...]:
+        """The fields a host's walk of the schedule predicts (``walked``: a
+        :class:`~optax_zero_one.core.kinds.Walked`), as ``(field, value)``: the local-step
         policy's counters as the walk advanced them, and whether local steps have begun (the
         walk is past ``start_step``). A dispatcher compares them with a state it did not
         produce (a restore) before running it: a state saved under other schedule arguments
         carries another history, which the arguments given now would not replay."""
-        return (("local_step_policy", local_step_policy), ("anchored", begun))
+        return (("local_step_policy", walked.local), ("anchored", walked.begun))
 
     def moved(self, every: Any, fresh: LocalStepSyncState, move: Any) -> LocalStepSyncState:
         """To another worker count (:func:`~optax_zero_one.reset_compression`): every new

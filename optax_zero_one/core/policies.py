@@ -285,6 +285,16 @@ class FullPrecisionWarmup:
         return state
 
 
+def variance_walked(walked: Any) -> tuple[tuple[str, Any], ...]:
+    """The variance policy's counters a host's walk of the schedule predicts for a state at
+    its step count (``walked``: a :class:`~optax_zero_one.core.kinds.Walked`), as the
+    ``walked`` hook of the states that keep them: a state restored under another
+    ``var_update_scaler`` carries other counters (compared by a dispatcher before it runs).
+    After the freeze they no longer act, and nothing is compared (the local-step policy's
+    counters and ``anchored`` say where phase B is)."""
+    return () if walked.begun else (("variance_policy", walked.variance),)
+
+
 def advance(policy: Any, state: Any, step: Any, active: Any) -> Any:
     """``policy.next(state, step)`` where ``active``, else ``state``, in ``state``'s dtypes
     (the state of a policy that governs only some steps, e.g. phase A or phase B)."""

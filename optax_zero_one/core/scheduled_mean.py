@@ -46,6 +46,7 @@ class ScheduledMeanState(NamedTuple):
     STEP_COUNTER = "count"
     REFUSED_HINT = "refused_hint"
     BRANCHES = ("a float mean (variance step)", "a 1-bit mean (compressed step)", "no mean")
+    walked = staticmethod(policies.variance_walked)  # compared after a restore
 
 
 # What this transform does at a step: a float mean, a compressed mean, or nothing.
