@@ -517,6 +517,25 @@ def test_learning_rate_arrays_and_injected_values_are_checked():
         tx.init({"w": jnp.zeros(3, jnp.bfloat16)})
     tx = optax.inject_hyperparams(ozo.zero_one_adam, hyperparam_dtype=jnp.float32)(1e-3, b2=0.999)
     tx.init({"w": jnp.zeros(3, jnp.bfloat16)})
+    jax.jit(jax.vmap(tx.init, axis_name=AXIS))({"w": jnp.zeros((2, 3), jnp.bfloat16)})
+    # under jit (the documented init), the injected b2 is a tracer whose value cannot be read:
+    # it passed as 1.0, and one step sent a param of 1.0 to -101376 (a trial); a traced
+    # hyperparameter with an open bound at 1 in a dtype that rounds onto it is refused
+    for factory in (ozo.zero_one_adam, ozo.onebit_adam):
+        tx = optax.inject_hyperparams(factory)(1e-3, b2=0.999, axis_name=AXIS)
+        with pytest.raises(ValueError, match=r"b1 is a traced bfloat16 .*hyperparam_dtype"):
+            jax.jit(jax.vmap(tx.init, axis_name=AXIS))({"w": jnp.zeros((2, 3), jnp.bfloat16)})
+    # a worker count injected by inject_hyperparams is an array, traced in update: it must be
+    # static (it was refused as "a positive int" with no way out named)
+    tx = optax.inject_hyperparams(ozo.zero_one_adam)(1e-3, axis_name=AXIS, num_workers=2)
+    with pytest.raises(ValueError, match=r"num_workers is a JAX array.*static_args"):
+        tx.init({"w": jnp.zeros(3)})
+    tx = optax.inject_hyperparams(ozo.zero_one_adam, static_args=("num_workers",))(
+        1e-3, axis_name=AXIS, num_workers=2
+    )
+    state = ozo.replicate(tx.init({"w": jnp.zeros(3)}), 2)
+    step = jax.vmap(lambda g, s, p: tx.update(g, s, p), axis_name=AXIS)
+    step({"w": jnp.ones((2, 3))}, state, {"w": jnp.zeros((2, 3))})
     # a factory given for momentum_mean is named at construction (was an AttributeError)
     with pytest.raises(TypeError, match="looks like an optimizer's factory"):
         ozo.scale_by_frozen_variance_adam(momentum_mean=optax.adam)

@@ -119,6 +119,15 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
         )
     value = concrete_number(value)
     if not is_static_number(value):
+        coarse = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        if coarse and high_open and np.isfinite(high) and jnp.finfo(dtype).nmant < 10:
+            raise ArgumentError(  # a trial: b2 = 1.0 in bfloat16 sent the params to -1e5
+                name,
+                f"{name} is a traced {dtype} array (injected under jit): its value cannot be "
+                f"checked, and in {dtype} values near {high} round onto it (b2 = 0.999 is "
+                "1.0 in bfloat16, and the params blow up). Pass the hyperparameters in "
+                "float32: optax.inject_hyperparams(..., hyperparam_dtype=jnp.float32).",
+            )
         return
     ok = low <= value < high if high_open else low <= value <= high
     if not ok or np.isnan(value):
@@ -425,6 +434,14 @@ def check_num_workers(axes: Axes, num_workers: Any) -> None:
     or for a ``(slow, fast)`` pair a pair of them (``ValueError`` otherwise)."""
     if num_workers is None:
         return
+    if isinstance(num_workers, jax.Array):
+        raise ValueError(
+            f"num_workers is a JAX array ({num_workers!r}): a worker count sizes the state's "
+            "buffers and must be a static int. optax.inject_hyperparams makes every numeric "
+            "argument an array (and traces it in update): pass "
+            "optax.inject_hyperparams(ozo.zero_one_adam, static_args=('num_workers',))(...), "
+            "or run init inside the mapped function without num_workers."
+        )
     if isinstance(axes, tuple):
         pair = isinstance(num_workers, tuple | list) and len(num_workers) == 2
         if not pair or not all(positive_int(v) for v in num_workers):
