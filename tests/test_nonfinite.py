@@ -365,3 +365,34 @@ def test_scheduled_mean_example_skips_a_nan_after_the_freeze():
             np.testing.assert_array_equal(x[1], before[1])
             assert np.all(x[0] != before[0])
     np.testing.assert_array_equal(np.asarray(state.skipped_updates), [1, 2])
+
+
+@pytest.mark.parametrize("bad_step", [3, 25], ids=["phase A", "phase B"])  # calls: 2 an update
+def test_multisteps_recovers_from_a_nan_with_the_documented_zeroing(bad_step):
+    """docs/usage.md: optax.MultiSteps' accumulator never recovers from a NaN (its reset
+    multiplies by 0), after which the optimizer skips or drops every later step quietly (a
+    trial). Zeroing a worker's whole gradient when any of it is not finite, before MultiSteps,
+    keeps every worker in step: the run takes its updates, and the workers' synchronised params
+    stay equal and finite."""
+    tx = optax.MultiSteps(ozo.zero_one_adam(1e-2, axis_name=AXIS, **ZERO_ONE), 2)
+    poisoned = find(run(tx, 40, np.nan, bad_step)[-1][1].inner_opt_state, ozo.LocalStepSyncState)
+    if bad_step < 16:  # the trap: in phase A every later update is skipped together...
+        assert int(poisoned.count[0]) == 1 and int(poisoned.skipped_updates[0]) == 19
+    else:  # ...in phase B the worker's gradient is dropped at every later update
+        assert int(poisoned.count[0]) == 20
+        assert int(poisoned.dropped_local_grads[BAD_WORKER]) == 20 - 12
+
+    def zeroed(g):
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)]))
+        return jax.tree.map(lambda x: jnp.where(finite, x, 0), g)
+
+    guarded = optax.GradientTransformationExtraArgs(
+        tx.init, lambda g, s, p=None, **kw: tx.update(zeroed(g), s, p, **kw)
+    )
+    x, state = run(guarded, 40, np.nan, bad_step)[-1]
+    inner = state.inner_opt_state
+    assert ozo.step_count(inner) == 20  # 40 calls, 2 per update: none skipped
+    synced = jax.vmap(ozo.synchronized_params)(x, state.inner_opt_state)
+    assert all_finite(synced)
+    for leaf in jax.tree.leaves(synced):
+        np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
