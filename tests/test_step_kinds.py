@@ -241,7 +241,7 @@ def test_dispatch_stops_workers_that_train_apart(mode):
 
 @pytest.mark.parametrize("wrap", ["none", "scale_after", "apply_if_finite"])
 def test_dispatch_compares_the_params_after_the_first_sync(wrap):
-    """With ``params_index``, the workers' params are compared once, right after the first
+    """With ``params_index``, the workers' params are compared first right after the first
     sync that follows a local step (step 12 here), which lands them all on the same point: a
     transform after the optimizer that changes its update, or ``optax.apply_if_finite``
     around it (one worker's NaN leaves that worker a step behind), trained the workers apart
@@ -273,6 +273,26 @@ def test_dispatch_compares_the_params_after_the_first_sync(wrap):
         assert "The workers' params differ after the sync of step 12" in str(err)
         return
     assert wrap == "none"
+
+
+def test_dispatch_compares_the_params_after_more_than_one_sync():
+    """``optax.lookahead`` every 6 steps around the optimizer (which does not compose) lands the
+    workers on the same point at its own sync of step 12, the first sync after a local step, so
+    a single comparison passed and the workers parted without a word (a trial, at period 5).
+    The params are compared after the first three such syncs (12, 16, 20)."""
+    tx = optax.lookahead(zero_one(), 6, 0.5)  # decided in the graph: lookahead takes no kind
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    run = ozo.dispatch_by_kind(lambda kind: mapped(step, "vmap", N), SCHEDULE, params_index=0)
+    params = optax.LookaheadParams.init_synced(params0())
+    state = mapped(tx.init, "vmap", N)(params)
+    with pytest.raises(ValueError, match=r"params differ after the sync of step (16|20): leaf "):
+        for k in range(1, 25):
+            params, state = run(params, state, grads_at(k))
+        run.settle()
 
 
 def test_dispatch_of_a_vmapped_ensemble_of_one_worker_optimizers_is_not_stopped():

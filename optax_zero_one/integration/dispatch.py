@@ -335,7 +335,7 @@ class KindDispatcher:
         self._stalled = 0  # steps skipped in a row (whole windows), as last settled
         self._warned_stalled = False
         self._params_index = params_index  # where the params are among the results, if known
-        self._params_compared = False  # the workers' params compared after a sync
+        self._params_checks = 0  # syncs after which the workers' params were compared
         self._after_local = False  # a local step ran since then
 
     def next_kind(self, state: Any) -> StepKind:
@@ -542,11 +542,12 @@ class KindDispatcher:
                 # flat buffers (a float-sync diloco), whose layout records no worker count
                 known = self._counted or self._params_index is not None
                 check_workers_agree(out[self._state_index], counter, self.step, known)
-        if self._params_index is not None and not self._params_compared:
-            # once, at the first sync after a local step (the workers apart before it): a sync
-            # lands every worker on the same point
+        if self._params_index is not None and self._params_checks < PARAMS_CHECKS:
+            # at the first syncs after a local step (the workers apart before it): a sync lands
+            # every worker on the same point. More than one: a wrapper with a period of its own
+            # (optax.lookahead every 5 steps) may agree at one sync and part at the next (a trial)
             if kind.sync and self._after_local:
-                self._params_compared = True
+                self._params_checks += 1
                 try:
                     check_params_agree(out[self._params_index], counter, self.step)
                 except ValueError as apart:
@@ -697,7 +698,8 @@ class KindDispatcher:
             self.step = int(self._confirmed[0]) + 1
             self._last_counter, self._last_refused = counter, refused
             self._since_check = 0
-            self._compared = self._params_compared = self._after_local = False
+            self._compared = self._after_local = False
+            self._params_checks = 0
 
     def _settle(self, window: list[_Pending]) -> None:
         """Checks the steps of ``window`` against the counts after its last one."""
@@ -913,13 +915,17 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     return None
 
 
+PARAMS_CHECKS = 3  # syncs after which a dispatcher compares the workers' params (a read each)
+
+
 @outside_user_mesh
 def check_params_agree(params: Any, counter: Any, step: int | None = None) -> None:
     """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
     the rounding of ``x + (xbar - x)`` in their dtype (a few ulps): a sync lands every worker
     on the synchronised point, unless something after the optimizer changed its update or a
     wrapper skipped it on one worker. A dispatcher that knows where the params are calls this
-    once, after the first sync that follows a local step (a read back from the device)."""
+    after the first :data:`PARAMS_CHECKS` syncs that follow a local step (a read back from the
+    device each)."""
     for path, leaf in _worker_leaves(params, counter):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
