@@ -202,6 +202,7 @@ def main(argv=None):
         if k % max(1, steps // 10) == 0 or k == steps:
             evaluated = float(eval_loss(dp.synchronized_params(params_w, opt_state), val))
             print(f"step {k:4d}  train loss {loss:.4f}  eval loss {evaluated:.4f}")
+    train_step.settle()  # a step refused in the last few is reported here (docs/reliability.md)
 
     taken = np.asarray(step_schedule.names)[step_schedule.indices(steps)]  # each step's kind
     per_kind = data_bytes(dp, step, step_schedule, set(taken), (params_w, opt_state, batch))

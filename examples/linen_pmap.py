@@ -182,6 +182,7 @@ def main(argv=None):
                 f"step {k:4d}  {kinds[k - 1]:<10}  train loss {float(loss[0]):.4f}  "
                 f"eval loss (synchronised params) {evaluated:.4f}"
             )
+    train_step.settle()  # a step refused in the last few is reported here (docs/reliability.md)
 
     taken = {kind: int(np.sum(kinds == kind)) for kind in ("variance", "compressed", "sync")}
     sent = sum(taken[kind] * per_kind[kind] for kind in taken)

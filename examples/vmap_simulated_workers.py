@@ -166,6 +166,7 @@ def main(argv=None):
                 f"eval loss (synchronised) {evaluated:.4f}  spread {float(drift):.1e}  "
                 f"synced spread {float(synced_drift):.1e}"
             )
+    train_step.settle()  # a step refused in the last few is reported here (docs/reliability.md)
 
     taken = {kind: int(np.sum(kinds == kind)) for kind in ("variance", "compressed", "sync")}
     sent = sum(taken[kind] * per_kind[kind] for kind in taken)
