@@ -1050,3 +1050,22 @@ def test_a_plain_optax_transform_inside_local_step_sync_takes_extra_args():
 
     out = jax.vmap(step, axis_name=AXIS)(jnp.ones((N, 3)), jnp.zeros((N, 3)))
     assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_dispatch_stops_before_a_step_past_the_int32_counters():
+    """The counters are int32 and saturate: a dispatcher ran step 2**31 (the state refused it
+    and the error blamed the schedule; a trial). It now says what is wrong before the step."""
+    tx = ozo.local_step_sync(optax.sgd(0.1), ozo.SyncEvery(4), AXIS, collective="float")
+    run = ozo.dispatch_by_kind(
+        lambda kind: mapped(lambda p, s, g: _step(tx, p, s, g, kind), "vmap", N),
+        ozo.local_step_schedule(ozo.SyncEvery(4)),
+    )
+    params = params0()
+    state = mapped(tx.init, "vmap", N)(params)
+    late = jnp.full((N,), 2**31 - 3, jnp.int32)  # a run resumed near the counters' end
+    state = state._replace(count=late, anchored=jnp.ones((N,), bool))
+    for _ in range(2):  # steps 2**31 - 2 and 2**31 - 1
+        params, state = run(params, state, grads_at(1))
+    assert ozo.step_count(state) == 2**31 - 1
+    with pytest.raises(ValueError, match=r"step 2147483648 is beyond the optimizers' int32"):
+        run(params, state, grads_at(2))

@@ -344,7 +344,7 @@ class KindDispatcher:
         settle first: a skip found there moves the step back)."""
         self._sync_with(state)
         self._settle_with(state)
-        return self._walk.kind(self.step)
+        return self._walk.kind(kinds._check_step(self.step))
 
     def program(self, kind: StepKind) -> Callable[..., Any]:
         """The program for ``kind`` (compiled at its first use, unless precompiled)."""
@@ -515,7 +515,7 @@ class KindDispatcher:
         self._sync_with(args[self._state_index])
         # before this step's program: an error leaves the caller's state as it was (not donated)
         self._settle_with(args[self._state_index])
-        kind = self._walk.kind(self.step)
+        kind = self._walk.kind(kinds._check_step(self.step))  # past int32's counters: an error
         self.program(kind)
         out = self._raw[kind.name](*args)
         counts = None
