@@ -46,7 +46,9 @@ class LocalStepSyncState(NamedTuple):
       errors: the compressed mean's error buffers, or ``optax.EmptyState()`` when the sync rule
         lends the wrapper idle buffers of the inner state.
       skipped_updates: int32, communicating steps that every worker skipped together because
-        some worker's input was not finite.
+        some worker's input was not finite (and, before ``start_step``, steps whose
+        ``step_kind`` hint the inner transform refused: :func:`~optax_zero_one.check_hints`
+        tells them apart).
       dropped_local_grads: int32, local steps at which *this* worker's gradient was not finite
         and was replaced by zero.
       inner_state: the inner transform's state.

@@ -283,7 +283,8 @@ class SkipNotFiniteState(NamedTuple):
     """State of :func:`skip_not_finite`.
 
     Attributes:
-      skipped_updates: int32, the steps skipped because the update was not finite.
+      skipped_updates: int32, the steps skipped because the update was not finite (a refused
+        ``step_kind`` hint of the inner transform too: :func:`~optax_zero_one.check_hints`).
       inner_state: the wrapped transform's state (unchanged by a skipped step).
     """
 
