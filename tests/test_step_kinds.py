@@ -347,6 +347,22 @@ def test_precompile_compiles_every_kind_before_the_first_step(name):
         assert raw.compiled is not None and raw.program._cache_size() == 0
 
 
+def test_precompile_compiles_a_kind_whose_first_call_failed():
+    """A first call that fails before its program compiles (here, gradients of the wrong shape)
+    installed the program, and precompile then skipped that kind as compiled: it compiled at
+    its first step after all (a trial: a refused restore into dp.jit)."""
+    tx = zero_one()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    run = _dispatcher(tx, SCHEDULE)
+    bad = {k: g[:, :1] for k, g in grads_at(1).items()}
+    with pytest.raises(ValueError):
+        run(params, state, bad)
+    assert "variance" in run.precompile(params, state, grads_at(1))
+    run(params, state, grads_at(1))
+    assert run._raw["variance"].compiled is not None  # the precompiled executable ran
+
+
 @pytest.mark.parametrize(
     "schedule",
     [

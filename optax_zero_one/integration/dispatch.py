@@ -314,6 +314,7 @@ class KindDispatcher:
         self.check_every = check_every
         self._since_check = 0
         self.programs: dict[str, Callable[..., Any]] = {}
+        self._ran: set[str] = set()  # kinds whose program has run (so is compiled)
         # with counts_in_program, compile_kind's programs also return the counts of the state
         # they return (with_counts): called by the dispatcher; programs drops the counts
         self._counted = counts_in_program
@@ -452,7 +453,10 @@ class KindDispatcher:
             )
         programs = {}
         for kind in dict.fromkeys(kinds):
-            if kind.name in self.programs or kind.name in self._waiting:
+            # compiled: by precompile, or at a step that ran (a first call that failed, e.g. on
+            # a refused restore, installed a program it never compiled)
+            done = kind.name in self._ran or isinstance(self._raw.get(kind.name), _Precompiled)
+            if done or kind.name in self._waiting:
                 continue
             program = programs[kind.name] = self._compile(kind)
             if getattr(program, "lower", None) is None:
@@ -518,6 +522,7 @@ class KindDispatcher:
         kind = self._walk.kind(kinds._check_step(self.step))  # past int32's counters: an error
         self.program(kind)
         out = self._raw[kind.name](*args)
+        self._ran.add(kind.name)
         counts = None
         if self._counted:
             out, counts = out
