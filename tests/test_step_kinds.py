@@ -408,6 +408,14 @@ def test_precompile_after_a_restore_in_phase_b_compiles_phase_b_only():
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state))
     fresh.precompile(*abstract, grads_at(11))  # shapes only: the step is not known, every kind
     assert sorted(asked) == sorted(SCHEDULE.names)
+    # ...that the schedule has from step 1: DiLoCo's has neither a compressed step nor, without
+    # start_step, a pass-through one (a trial: both were compiled for nothing)
+    asked.clear()
+    diloco = ozo.dispatch_by_kind(
+        lambda kind: asked.append(kind.name) or Lowered(), ozo.diloco_schedule(3)
+    )
+    diloco.precompile(*abstract, grads_at(11))
+    assert sorted(asked) == ["local", "sync"]
 
 
 def test_precompiled_programs_fall_back_to_jit_for_other_arguments():

@@ -390,7 +390,8 @@ class KindDispatcher:
         Args:
           *args: the step's arguments, or ``jax.ShapeDtypeStruct``\\ s with the same shapes,
             dtypes and shardings. With the real optimizer state the kinds still ahead are
-            those from its step on (phase B's alone after the freeze); with shapes only, all.
+            those from its step on (phase B's alone after the freeze); with shapes only, all
+            the schedule's run meets from step 1.
           kinds: the kinds to compile (default: as above). Kinds already compiled are skipped.
           max_workers: compile threads (default: the number of kinds, at most the CPU count).
 
@@ -444,7 +445,9 @@ class KindDispatcher:
         if kinds is None:
             if not abstract:
                 self._sync_with(state)
-            kinds = self.schedule.kinds if abstract else self.schedule.kinds_from(self.step)
+            # shapes only: the step is not known, so every kind the schedule has from step 1
+            # (a DiLoCo schedule has no compressed step, nor a pass-through without start_step)
+            kinds = self.schedule.kinds_from(1 if abstract else self.step)
         unknown = [k for k in kinds if k not in self.schedule.kinds]
         if unknown:
             raise ValueError(
