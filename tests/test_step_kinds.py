@@ -239,7 +239,7 @@ def test_dispatch_stops_workers_that_train_apart(mode):
     assert 9 <= k <= 16 and "train apart" in message and "and worker 1 at step" in message
 
 
-@pytest.mark.parametrize("wrap", ["none", "scale_after", "apply_if_finite"])
+@pytest.mark.parametrize("wrap", ["none", "scale_after", "apply_if_finite", "masked"])
 def test_dispatch_compares_the_params_after_the_first_sync(wrap):
     """With ``params_index``, the workers' params are compared first right after the first
     sync that follows a local step (step 12 here), which lands them all on the same point: a
@@ -254,6 +254,8 @@ def test_dispatch_compares_the_params_after_the_first_sync(wrap):
         tx = optax.chain(tx, optax.scale(0.5))
     elif wrap == "apply_if_finite":
         tx = optax.apply_if_finite(tx, 10)
+    elif wrap == "masked":  # a masked-out leaf's update is the worker's own gradient
+        tx = optax.masked(tx, {name: name != "b" for name in SHAPES})
     run = ozo.dispatch_by_kind(
         lambda kind: mapped(lambda p, s, g, kind=kind: _step(tx, p, s, g, kind), "vmap", N),
         schedule,
@@ -271,6 +273,7 @@ def test_dispatch_compares_the_params_after_the_first_sync(wrap):
     except ValueError as err:
         assert wrap != "none", err
         assert "The workers' params differ after the sync of step 12" in str(err)
+        assert wrap != "masked" or "leaf ['b']" in str(err) and "optax.masked" in str(err)
         return
     assert wrap == "none"
 

@@ -951,10 +951,12 @@ def check_params_agree(params: Any, counter: Any, step: int | None = None) -> No
                         f"worker {found[0][0]}'s, where a sync lands every worker on the same "
                         "point. Something after the optimizer changed its update (optax.scale, "
                         "clip, add_decayed_weights, contrib.reduce_on_plateau or lookahead "
-                        "chained after it: chain clipping and weight decay before it), or a "
+                        "chained after it: chain clipping and weight decay before it), a "
                         "wrapper skipped a step on one worker (optax.apply_if_finite: the "
-                        "optimizer handles non-finite values itself). docs/usage.md, 'What "
-                        "does not compose'."
+                        "optimizer handles non-finite values itself), or the optimizer never "
+                        "saw this leaf (optax.masked passes a masked-out leaf's own gradient "
+                        "through as its update: freeze leaves with optax.multi_transform and "
+                        "optax.set_to_zero). docs/usage.md, 'What does not compose'."
                     )
 
 
