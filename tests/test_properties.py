@@ -15,6 +15,7 @@ Examples are capped (and every drawn tree compiles once), so the file runs in we
 minute on two shared cores. ``vmap(axis_name=...)`` simulates the workers.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -280,6 +281,32 @@ def test_a_policy_that_overrides_next_alone_is_walked_with_its_own_next():
         assert fresh.kinds.index(fresh.kind(k)) == in_order[k - 1]
     sync_gaps = np.diff(np.flatnonzero(in_order == 3))
     assert sync_gaps.max() >= 27  # the interval did triple (1, 3, 9, 27, ...)
+
+    class Offset(ozo.VarianceDoubling):  # a review: `next` inherited, its helper changed
+        @staticmethod
+        def _due(state, step):
+            return step % state.interval == 1 % state.interval
+
+    @dataclasses.dataclass(frozen=True)
+    class Fielded:  # a field named `jump` is no closed form
+        jump: int = 3
+        every: int = 4
+
+        def init(self):
+            return ()
+
+        def is_sync_step(self, state, step):
+            return step % self.every == 0
+
+        def next(self, state, step):
+            return state
+
+    cases = ((Offset(300, 2), ozo.LocalStepDoubling(5, 4)), (ozo.VarianceDoubling(4), Fielded()))
+    for policies in cases:
+        in_order = ozo.StepSchedule(*policies).indices(400)
+        for k in (30, 81, 250, 400):
+            fresh = ozo.StepSchedule(*policies)
+            assert fresh.kinds.index(fresh.kind(k)) == in_order[k - 1]
 
 
 @settings(max_examples=200, deadline=None)

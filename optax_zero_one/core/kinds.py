@@ -288,16 +288,21 @@ def _jump(policy: Any, state: Any, first: int, last: int) -> Any:
 
 
 def _jump_belongs(cls: type) -> bool:
-    """Whether ``cls``'s ``jump`` was written for its ``next``: defined by the class that
-    defines ``next`` or by a subclass of it. A subclass of a library policy that overrides
-    ``next`` alone inherits a ``jump`` that is not its closed form (a trial: a resume then
-    refused the optimizer's own state); a wrapper forwarding attributes has neither."""
-
-    def owner(name: str) -> type | None:
-        return next((c for c in cls.__mro__ if name in vars(c)), None)
-
-    jump, step = owner("jump"), owner("next")
-    return jump is not None and step is not None and issubclass(jump, step)
+    """Whether ``cls``'s ``jump`` was written for the policy ``cls`` is: ``cls`` defines it, or
+    inherits it from a class none of whose methods a class in between overrides (a subclass
+    of a library policy that changes ``next``, or a helper of it such as ``_due``, inherits a
+    ``jump`` that is not its closed form: a trial's resume then refused the optimizer's own
+    state). A wrapper forwarding attributes defines none, and a ``jump`` that is not a method
+    (a field of that name) is no jump."""
+    owner = next((c for c in cls.__mro__ if "jump" in vars(c)), None)
+    if owner is None or not callable(vars(owner)["jump"]):
+        return False
+    for between in cls.__mro__[: cls.__mro__.index(owner)]:
+        for name, value in vars(between).items():
+            method = callable(value) or isinstance(value, staticmethod | classmethod)
+            if method and not name.startswith("__") and hasattr(owner, name):
+                return False  # overrides a method the jump was written against
+    return True
 
 
 def zero_one_schedule(

@@ -20,6 +20,8 @@ Optionally, ``jump(state, first, last) -> state``: what ``next`` gives after ste
 one by one, on Python ints, in closed form. The host's walk of a schedule
 (:class:`~optax_zero_one.StepSchedule`) uses it to find the kind of a far step (a run resumed at
 step 10^7) in microseconds; without it the walk calls ``next`` for every step (~0.6 us each).
+A subclass that overrides any method of a policy with a ``jump`` is walked step by step unless
+it defines its own ``jump``.
 
 They use only arithmetic that works on Python ints *and* traced ``jax.Array``s, so the same
 code runs inside the optimizer's compiled step and in a plain Python loop that lists the
