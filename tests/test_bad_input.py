@@ -525,6 +525,9 @@ def test_learning_rate_arrays_and_injected_values_are_checked():
         tx = optax.inject_hyperparams(factory)(1e-3, b2=0.999, axis_name=AXIS)
         with pytest.raises(ValueError, match=r"b1 is a traced bfloat16 .*hyperparam_dtype"):
             jax.jit(jax.vmap(tx.init, axis_name=AXIS))({"w": jnp.zeros((2, 3), jnp.bfloat16)})
+    tx = optax.inject_hyperparams(ozo.zero_one_adam)(1e-3, b2=0.9999, axis_name=AXIS)
+    with pytest.raises(ValueError, match=r"b1 is a traced float16"):  # 0.9999 is 1.0 there
+        jax.jit(jax.vmap(tx.init, axis_name=AXIS))({"w": jnp.zeros((2, 3), jnp.float16)})
     # a worker count injected by inject_hyperparams is an array, traced in update: it must be
     # static (it was refused as "a positive int" with no way out named)
     tx = optax.inject_hyperparams(ozo.zero_one_adam)(1e-3, axis_name=AXIS, num_workers=2)
@@ -950,6 +953,38 @@ def test_a_schedule_built_before_any_backend_is_checked_at_init():
         "        raise AssertionError('init did not check the schedule')\n"
         "good = ozo.zero_one_adam(optax.cosine_decay_schedule(1e-3, 100), axis_name='w')\n"
         "jax.vmap(good.init, axis_name='w')(jnp.zeros((2, 3)))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    # init as the script's first computation (NumPy params: a review found the check skipped
+    # there for good), eagerly or under jit (then the first update checks, at its trace)
+    for init in ("tx.init(p)", "jax.jit(tx.init)(p)"):
+        code = (
+            "import jax, jax.numpy as jnp, numpy as np, optax_zero_one as ozo\n"
+            "tx = ozo.zero_one_adam(lambda c: jnp.where(c == 0, jnp.nan, 1e-3))\n"
+            "p = {'w': np.ones(3, np.float32)}\n"
+            "try:\n"
+            f"    s = {init}\n"
+            "    jax.jit(tx.update)(p, s, p)\n"
+            "except ValueError as e:\n"
+            "    assert 'learning_rate is a schedule whose value at step count 0' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('the schedule was not checked')\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    # the first inits of several threads at once (the check's bookkeeping raised KeyError)
+    code = (
+        "import threading, jax.numpy as jnp, optax, optax_zero_one as ozo\n"
+        "tx = ozo.zero_one_adam(optax.cosine_decay_schedule(1e-3, 100))\n"
+        "p, errors = {'w': jnp.ones(3)}, []\n"
+        "def init():\n"
+        "    try:\n"
+        "        tx.init(p)\n"
+        "    except Exception as e:\n"
+        "        errors.append(e)\n"
+        "threads = [threading.Thread(target=init) for _ in range(8)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert not errors, errors\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -119,8 +119,8 @@ def check_range(name: str, value: Any, low: float, high: float, *, high_open: bo
         )
     value = concrete_number(value)
     if not is_static_number(value):
-        coarse = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-        if coarse and high_open and np.isfinite(high) and jnp.finfo(dtype).nmant < 10:
+        coarse = dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+        if coarse and high_open and np.isfinite(high):  # b2 = 0.9999 is 1.0 in float16 too
             raise ArgumentError(  # a trial: b2 = 1.0 in bfloat16 sent the params to -1e5
                 name,
                 f"{name} is a traced {dtype} array (injected under jit): its value cannot be "
@@ -250,14 +250,25 @@ def schedules_checked_at_init(
     if not pending:
         return tx
 
-    def init_fn(params: Any) -> Any:
-        if pending and _graph.backends_started(default=True):
-            for name, schedule in list(pending.items()):
+    def check(now: bool) -> None:
+        if pending and (now or _graph.backends_started(default=True)):
+            for name, schedule in list(pending.items()):  # threads may check twice: harmless
                 _check_schedule_value(name, schedule)
-                del pending[name]
+                pending.pop(name, None)
+
+    def init_fn(params: Any) -> Any:
+        # concrete params (NumPy's too) start a backend in init anyway; under eval_shape or
+        # jit before any backend ran, the first update checks (a review: an init that was the
+        # script's first computation skipped the check for good)
+        leaves = jax.tree.leaves(params)
+        check(any(not isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct) for x in leaves))
         return tx.init(params)
 
-    return tx._replace(init=init_fn)
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        check(False)  # once a state exists a backend runs
+        return tx.update(updates, state, params, **extra_args)
+
+    return tx._replace(init=init_fn, update=update_fn)
 
 
 def check_weight_decay(weight_decay: Any) -> None:
