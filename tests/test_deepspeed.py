@@ -202,6 +202,32 @@ def test_num_workers_and_axis_name_are_forwarded():
         ozo.from_deepspeed_config(section, axis_name=AXIS).init(params)
 
 
+def test_hierarchical_and_psum_settings_are_forwarded():
+    """fast_axis_name and collective have no DeepSpeed key and could not be given (a trial):
+    the config's optimizer, built with them, is the hand-built one, bit for bit."""
+    section = {"type": "ZeroOneAdam", "params": ZERO_ONE}
+    by_config = ozo.from_deepspeed_config(section, axis_name=AXIS, collective="psum")
+    by_hand = ozo.zero_one_adam(0.02, axis_name=AXIS, collective="psum", **ZERO_ONE_ARGS)
+    assert_same(trajectory(by_config), trajectory(by_hand))
+    two_phase = ozo.zero_one_adam(0.02, axis_name=AXIS, **ZERO_ONE_ARGS)
+    assert_differs(trajectory(by_config), trajectory(two_phase))
+    params = [jnp.zeros((2, 2, *s)) for s in SHAPES]  # 2 nodes x 2 workers
+    for kind, own in (("ZeroOneAdam", ZERO_ONE), ("OneBitAdam", ONEBIT)):
+        tx = ozo.from_deepspeed_config(
+            {"type": kind, "params": own}, axis_name="node", fast_axis_name="local"
+        )
+        init = jax.vmap(jax.vmap(tx.init, axis_name="local"), axis_name="node")
+        errors = [
+            s
+            for s in jax.tree.leaves(
+                init(params), is_leaf=lambda s: isinstance(s, ozo.OnebitMeanState)
+            )
+            if isinstance(s, ozo.OnebitMeanState)
+        ]
+        # hierarchical buffers: one row per node of each worker's 1/L share
+        assert errors and all(e.worker_error.shape[2] == 2 for e in errors)
+
+
 def test_the_papers_bert_configs_parse():
     """The optimizer sections of DeepSpeedExamples' BERT-Large seq-128 configs, verbatim."""
     zero_one = json.loads(
@@ -233,6 +259,11 @@ def test_the_papers_bert_configs_parse():
         ({"type": "OneBitAdam", "params": {"max_grad_norm": 0}}, "gradient_clipping"),
         ({"type": "ZeroOneAdam", "params": {"betas": {"b1": 0.9, "b2": 0.99}}}, "pair"),
         ({"type": "ZeroOneAdam", "params": {"lr": "auto"}}, "Resolve 'auto'"),
+        # every key Hugging Face may leave as "auto" names the fix (betas and the step counts
+        # said only what type they must be; a trial)
+        ({"type": "ZeroOneAdam", "params": {"betas": "auto"}}, "pair.*Resolve 'auto'"),
+        ({"type": "ZeroOneAdam", "params": {"var_freeze_step": "auto"}}, "integer.*Resolve"),
+        ({"type": "OneBitAdam", "params": {"freeze_step": "auto"}}, "integer.*Resolve 'auto'"),
         ({"type": "ZeroOneAdam", "params": {"betas": [0.9]}}, "pair"),
         ({"type": "ZeroOneAdam", "params": {"var_freeze_step": 10.5}}, "integer"),
         ({"type": "ZeroOneAdam", "params": {"var_update_scaler": 0}}, "var_update_scaler"),

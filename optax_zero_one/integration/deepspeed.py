@@ -80,6 +80,8 @@ def from_deepspeed_config(
     num_workers: int | None = None,
     mask: Any = None,
     learning_rate: optax.ScalarOrSchedule | None = None,
+    fast_axis_name: str | None = None,
+    collective: str = "two_phase",
 ) -> optax.GradientTransformationExtraArgs:
     """Builds 0/1 Adam or 1-bit Adam from the ``optimizer`` section of a DeepSpeed config.
 
@@ -118,6 +120,9 @@ def from_deepspeed_config(
         takes from the parameter groups rather than from the config).
       learning_rate: replaces ``params["lr"]``, e.g. with an ``optax.Schedule`` equivalent to
         the config's ``scheduler`` section (which this function does not read).
+      fast_axis_name, collective: as in :func:`~optax_zero_one.zero_one_adam` (settings of
+        this library with no DeepSpeed key: hierarchical compression across nodes, and the
+        one-``psum`` backend).
 
     Returns:
       :func:`~optax_zero_one.zero_one_adam` or :func:`~optax_zero_one.onebit_adam`, configured.
@@ -167,6 +172,8 @@ def from_deepspeed_config(
         axis_name=axis_name,
         num_workers=num_workers,
         mask=mask,
+        fast_axis_name=fast_axis_name,
+        collective=collective,
     )
     own = {key: params[key] for key in _OWN[kind] if key in params}
     for key, value in own.items():
@@ -174,7 +181,7 @@ def from_deepspeed_config(
         if isinstance(value, float) and value.is_integer():
             own[key] = value = int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{kind} param {key} must be an integer, got {value!r}.")
+            raise ValueError(f"{kind} param {key} must be an integer, got {value!r}.{_auto(value)}")
     build = zero_one_adam if kind == "ZeroOneAdam" else onebit_adam
     try:
         return build(learning_rate, **common, **{k: int(v) for k, v in own.items()})
@@ -254,18 +261,22 @@ def _same(value: Any, allowed: Any) -> bool:
     return isinstance(value, numbers.Real) and value == allowed
 
 
+def _auto(value: Any) -> str:
+    """The hint for a value DeepSpeed's Hugging Face integration would have filled in."""
+    if isinstance(value, str) and value == "auto":
+        return " Resolve 'auto' values (filled in by the Hugging Face integration) before calling."
+    return ""
+
+
 def _number(kind: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        extra = (
-            " Resolve 'auto' values (filled in by the Hugging Face integration) before calling."
-            if value == "auto"
-            else ""
-        )
-        raise ValueError(f"{kind} param {key} must be a number, got {value!r}.{extra}")
+        raise ValueError(f"{kind} param {key} must be a number, got {value!r}.{_auto(value)}")
     return float(value)
 
 
 def _betas(kind: str, value: Any) -> tuple[float, float]:
     if not isinstance(value, list | tuple) or len(value) != 2:
-        raise ValueError(f"{kind} param betas must be a pair [b1, b2], got {value!r}.")
+        raise ValueError(
+            f"{kind} param betas must be a pair [b1, b2], got {value!r}.{_auto(value)}"
+        )
     return _number(kind, "betas[0]", value[0]), _number(kind, "betas[1]", value[1])
