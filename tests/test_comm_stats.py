@@ -140,6 +140,27 @@ def test_the_mesh_form_of_replica_groups(attrs, groups):
     assert cs._group_size(attrs, default=8) == len(groups[0])
 
 
+def test_a_permute_is_put_on_the_axes_its_pairs_cross():
+    """A collective-permute names no replica groups: it was put on every mesh axis, so a permute
+    within 'model' counted as traffic across 'node' in sent_bytes_by_axes (a trial; XLA emits
+    such permutes in a dp.jit step on a (node, local, model) mesh)."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((4, 2), ("node", "model"), axis_types=auto)
+    spec = jax.sharding.PartitionSpec("node", "model")
+
+    def shift(axis, perm):
+        return jax.shard_map(
+            lambda x: jax.lax.ppermute(x, axis, perm=perm), mesh=mesh, in_specs=spec, out_specs=spec
+        )
+
+    x = jax.ShapeDtypeStruct((4, 2 * 256), jnp.float32)
+    within = ozo.comm_stats(shift("model", [(0, 1), (1, 0)]), x)
+    assert within.collectives[0].mesh_axes(mesh) == ("model",)
+    assert within.sent_bytes_by_axes(mesh) == {("model",): 1024.0}
+    across = ozo.comm_stats(shift("node", [(i, (i + 1) % 4) for i in range(4)]), x)
+    assert across.collectives[0].mesh_axes(mesh) == ("node",)
+
+
 def test_a_step_dispatched_by_kind_is_refused_with_the_fix():
     tx = ozo.zero_one_adam(1e-2, axis_name="w", var_freeze_step=4)
     step = ozo.dispatch_by_kind(lambda kind: None, ozo.zero_one_schedule(var_freeze_step=4))

@@ -144,8 +144,9 @@ def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
         want = num_workers[0] if pair else total  # a flat run: as many compressing nodes
         if nodes is not None and nodes != want:
             raise ValueError(
-                f"This state was saved by {saved} workers in {nodes} nodes of {saved // nodes}, "
-                f"but this run has {want} nodes of {total // want}. The error-feedback "
+                f"This state was saved by {saved} workers in {nodes} node"
+                f"{'s' if nodes != 1 else ''} of {saved // nodes}, but this run has {want} node"
+                f"{'s' if want != 1 else ''} of {total // want}. The error-feedback "
                 "buffers are sized per node, so they cannot be restored into another split (do "
                 "not restore with strict=False: the buffers would be padded or cut). Resume "
                 f"with {nodes} nodes for a bitwise-exact continuation, or restore it for that "

@@ -118,14 +118,17 @@ class Collective:
     groups: tuple[tuple[int, ...], ...] | None = None
 
     def mesh_axes(self, mesh: jax.sharding.Mesh) -> tuple[str, ...]:
-        """The axes of ``mesh`` this collective runs over: those along which the members of its
-        first group differ (partition ``p`` is ``mesh.devices.flat[p]``); every axis of size
-        above one when the group is the whole program."""
+        """The axes of ``mesh`` this collective runs over: those along which the members of a
+        group differ (partition ``p`` is ``mesh.devices.flat[p]``; a permute's groups are its
+        source-target pairs); every axis of size above one when the group is the whole
+        program."""
         shape = mesh.devices.shape
         if not self.groups:
             return tuple(a for a, n in zip(mesh.axis_names, shape) if n > 1)
-        coords = np.array(np.unravel_index(np.asarray(self.groups[0]), shape))
-        varies = (coords != coords[:, :1]).any(axis=1)
+        varies = np.zeros(len(shape), bool)
+        for group in self.groups:
+            coords = np.array(np.unravel_index(np.asarray(group), shape))
+            varies |= (coords != coords[:, :1]).any(axis=1)
         return tuple(a for a, v in zip(mesh.axis_names, varies) if v)
 
 
@@ -264,6 +267,10 @@ def _groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
     if explicit:
         found = re.findall(r"\{([\d,\s]+)\}", explicit.group(1))
         return tuple(tuple(int(i) for i in g.split(",")) for g in found) or None
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if pairs:  # a collective-permute: each (source, target) pair is a group of its own
+        found = re.findall(r"(\d+)\s*,\s*(\d+)", pairs.group(1))
+        return tuple((int(a), int(b)) for a, b in found) or None
     return _mesh_groups(attrs)
 
 
