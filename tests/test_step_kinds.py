@@ -820,6 +820,23 @@ def _dispatched(tx):
     return _dispatched_with(tx)
 
 
+def test_several_optimizers_on_other_schedules_are_named_whichever_sorts_first():
+    """A multi_transform of 1-bit Adam (label "ob") and 0/1 Adam ("zo") under 0/1 Adam's schedule:
+    the dispatcher follows the first counter, which the sorted labels make 1-bit Adam's, and
+    its error blamed the schedule alone (a trial; with labels sorting the other way it named
+    the several optimizers). Both orders now name them and the rule."""
+    for zero_one_label, onebit_label in (("zo", "ob"), ("a_zo", "b_ob")):
+        labels = {k: zero_one_label if k == "w" else onebit_label for k in SHAPES}
+        tx = optax.multi_transform({zero_one_label: zero_one(), onebit_label: onebit()}, labels)
+        params, run = params0(), _dispatched(tx)
+        state = jax.vmap(tx.init, axis_name=AXIS)(params)
+        rule = r"several step counters .*follows the first \(optax.multi_transform orders"
+        with pytest.raises(ValueError, match=rule):
+            for k in range(1, 21):
+                params, state = run(params, state, grads_at(k))
+            run.settle()
+
+
 def test_dispatch_of_several_optimizers_in_one_state():
     """One state may hold several optimizers (optax.multi_transform, a GAN's two): one
     dispatcher follows the first one's counter. On the same policies they train as one; on

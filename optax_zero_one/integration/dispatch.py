@@ -635,10 +635,12 @@ class KindDispatcher:
             if len(found) < 2:
                 raise
             raise ValueError(
-                f"{err} Or: the state holds {len(found)} optimizers "
-                f"({', '.join(path or 'the state' for path, _ in found)}), and one skipped a "
-                "step the others took (a non-finite gradient in its part of the tree; each "
-                "skips its own), so their steps parted. " + _SKIP_TOGETHER
+                f"{err} Or: the state holds several step counters "
+                f"({', '.join(path or 'the state' for path, _ in found)}); the dispatcher "
+                "follows the first (optax.multi_transform orders its groups by label, sorted), "
+                "so its optimizers must share one schedule (else dispatch each in a step of "
+                "its own); or one skipped a step the others took (a non-finite gradient in its "
+                "part of the tree; each skips its own), so their steps parted. " + _SKIP_TOGETHER
             ) from err
 
     def _settle_due(self, lag: int) -> None:
