@@ -929,6 +929,13 @@ def test_building_an_optimizer_starts_no_backend():
         "weight_decay=optax.linear_schedule(1e-2, 0.0, 100), axis_name='w')\n"
         "ozo.onebit_adam(optax.cosine_decay_schedule(1e-3, 100), axis_name='w')\n"
         "assert not xla_bridge.backends_are_initialized()\n"
+        # the state's shapes before jax.distributed.initialize, NumPy params in a closure (a
+        # review: the deferred schedule check ran the schedule there and started a backend)
+        "import jax, numpy as np\n"
+        "tx = ozo.zero_one_adam(optax.cosine_decay_schedule(1e-3, 100))\n"
+        "p = {'w': np.ones(3, np.float32)}\n"
+        "jax.eval_shape(lambda: tx.init(p))\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

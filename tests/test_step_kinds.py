@@ -878,7 +878,7 @@ def test_dispatch_of_several_optimizers_in_one_state():
         lambda kind: jax.jit(jax.vmap(lambda p, s, g: pair(p, s, g, kind), axis_name=AXIS)),
         SCHEDULE,
     )
-    with pytest.raises(ValueError, match=r"2 optimizers whose step counts differ \(\['D'\]"):
+    with pytest.raises(ValueError, match=r"2 step counters that differ \(\['D'\]"):
         run(params, state, grads_at(4))
 
 

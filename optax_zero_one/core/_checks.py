@@ -220,7 +220,8 @@ def check_schedule_of(name: str, schedule: Any) -> None:
     if _graph.backends_started(default=False):
         _check_schedule_value(name, schedule)
     # else running it would start a backend (before jax.distributed.initialize, say): the
-    # optimizer's init checks it (schedules_checked_at_init)
+    # optimizer's first init or update with a backend running checks it
+    # (schedules_checked_at_init)
 
 
 def _check_schedule_value(name: str, schedule: Any) -> None:
@@ -242,10 +243,13 @@ def _check_schedule_value(name: str, schedule: Any) -> None:
 def schedules_checked_at_init(
     tx: optax.GradientTransformationExtraArgs, **hyperparameters: Any
 ) -> optax.GradientTransformationExtraArgs:
-    """``tx`` whose ``init`` checks the values at count 0 of the ``hyperparameters`` that are
-    schedules, once: an optimizer built before any JAX backend ran (a script's first lines,
-    before ``jax.distributed.initialize``) could not run them at construction
-    (:func:`check_schedule_of`), and a NaN rate would reach every worker's params."""
+    """``tx`` whose ``init`` and ``update`` check the values at count 0 of the
+    ``hyperparameters`` that are schedules, once, at the first call that finds a JAX backend
+    running: an optimizer built before any backend ran (a script's first lines, before
+    ``jax.distributed.initialize``) could not run them at construction
+    (:func:`check_schedule_of`), and a NaN rate would reach every worker's params. Not
+    checked: a run whose every init and update is traced before any backend starts and then
+    only called compiled (``jax.jit(step).lower(...).compile()`` as the first JAX work)."""
     pending = {n: s for n, s in hyperparameters.items() if callable(s)}
     if not pending:
         return tx
@@ -257,15 +261,16 @@ def schedules_checked_at_init(
                 pending.pop(name, None)
 
     def init_fn(params: Any) -> Any:
-        # concrete params (NumPy's too) start a backend in init anyway; under eval_shape or
-        # jit before any backend ran, the first update checks (a review: an init that was the
-        # script's first computation skipped the check for good)
-        leaves = jax.tree.leaves(params)
-        check(any(not isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct) for x in leaves))
-        return tx.init(params)
+        # before and after: an eager init that is the script's first computation starts the
+        # backend itself (a review: NumPy params skipped the check for good); under eval_shape
+        # or a jit trace before any backend ran, nothing starts one here
+        check(False)
+        state = tx.init(params)
+        check(False)
+        return state
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        check(False)  # once a state exists a backend runs
+        check(False)  # traced after a state was made: a backend runs
         return tx.update(updates, state, params, **extra_args)
 
     return tx._replace(init=init_fn, update=update_fn)

@@ -77,7 +77,7 @@ def from_deepspeed_config(
     config: Mapping[str, Any],
     *,
     axis_name: str | None = None,
-    num_workers: int | None = None,
+    num_workers: int | tuple[int, int] | None = None,
     mask: Any = None,
     learning_rate: optax.ScalarOrSchedule | None = None,
     fast_axis_name: str | None = None,
@@ -115,7 +115,8 @@ def from_deepspeed_config(
       config: the ``optimizer`` section, ``{"type": ..., "params": {...}}``; ``type`` is
         ``"ZeroOneAdam"`` or ``"OneBitAdam"`` (any case, as in DeepSpeed).
       axis_name: the worker axis, or ``None`` for one worker.
-      num_workers: needed only if ``init`` runs outside the mapped context.
+      num_workers: needed only if ``init`` runs outside the mapped context (with
+        ``fast_axis_name``, the pair ``(nodes, per_node)``).
       mask: optional pytree of 0/1 like the params (DeepSpeed's ``exp_avg_mask``, which it
         takes from the parameter groups rather than from the config).
       learning_rate: replaces ``params["lr"]``, e.g. with an ``optax.Schedule`` equivalent to

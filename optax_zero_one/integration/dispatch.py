@@ -166,7 +166,7 @@ def _check_one_count(state: Any) -> None:
         return
     listed = ", ".join(f"{path or 'the state'}: {c}" for path, c in counts)
     raise ValueError(
-        f"The optimizer state holds {len(counts)} optimizers whose step counts differ ({listed}; "
+        f"The optimizer state holds {len(counts)} step counters that differ ({listed}; "
         "e.g. one trained for more steps than the other, or skipped a step the others took: a "
         "non-finite gradient in its part of the tree). A dispatcher follows one count, the "
         "first, and would send the others the kinds of other steps, which they refuse (their "
