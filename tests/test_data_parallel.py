@@ -355,6 +355,24 @@ def test_two_d_training_follows_the_one_d_run_and_eval_params_are_in_the_user_la
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
 
+def test_the_layout_helpers_compile_once(two_d):
+    """dp.synchronized_params, dp.from_workers and dp.init wrapped a fresh jax.jit at every
+    call, so each evaluation of a loop compiled anew (~0.6 s on the example's model; a trial).
+    Each is one program now, compiled once per shape; the results are the same."""
+    dp, tx, params_w, state, losses, train = two_d
+    first = dp.synchronized_params(params_w, state)
+    for _ in range(3):
+        again = dp.synchronized_params(params_w, state)
+        dp.from_workers(params_w)
+        dp.from_workers(params_w, worker=1)
+        dp.init(tx, params_w)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    programs = dp._programs.values()
+    assert len(programs) == 4  # synchronized_params, from_workers for 2 workers, init
+    assert all(program._cache_size() == 1 for program in programs)
+
+
 def test_a_scan_over_steps_inside_the_step_on_a_model_sharded_mesh():
     """Several optimizer steps per call, a lax.scan carrying the state, in-graph: the state out
     of dp.optimizer was typed as not varying over the data axis (the nested per-shard program
@@ -380,6 +398,34 @@ def test_a_scan_over_steps_inside_the_step_on_a_model_sharded_mesh():
     want = one_by_one["dp"].synchronized_params(one_by_one["params_w"], one_by_one["state"])
     for name in SPECS:
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-6)
+
+
+def test_gradient_accumulation_over_micro_batches_with_a_varying_carry():
+    """docs/jit.md: a scan accumulating micro-batch gradients from a carry of constants fails
+    under dp.jit (shard_map's varying types; a trial), and the documented start, the carry
+    made varying with lax.pcast, gives the whole batch's step: 4 micro-batches of a worker's
+    8 rows, averaged, against one step on the 8."""
+    mesh = mesh_of(2)
+    dp, tx, step, params = job.setup(mesh)
+
+    def accumulated(p, s, x, step_kind=None):
+        def one(carry, xb):
+            loss, g = jax.value_and_grad(loss_fn)(p, xb)
+            return jax.tree.map(jnp.add, carry, (loss, g)), None
+
+        zero = jax.lax.pcast(jnp.zeros(()), ("data",), to="varying")
+        start = (zero, jax.tree.map(jnp.zeros_like, p))
+        (loss, g), _ = jax.lax.scan(one, start, x.reshape(4, -1, x.shape[-1]))
+        u, s = tx.update(jax.tree.map(lambda a: a / 4, g), s, p, step_kind=step_kind)
+        return optax.apply_updates(p, u), s, loss / 4
+
+    params_w = dp.to_workers(params)
+    state = dp.init(tx, params_w)
+    x = batches(1)[0]
+    want = dp.jit(step, donate=False)(params_w, state, x)
+    got = dp.jit(accumulated, donate=False)(params_w, state, x)
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
 def test_flax_nnx_optimizer_in_the_step():
@@ -943,7 +989,8 @@ def test_layout_and_argument_checks_of_a_review():
     dp.check_worker_layout(flat, "the tree")  # a tree of other specs: the data axis only
     train = dp.jit(step)
     s = dp.init(tx, p)
-    with pytest.raises(ValueError, match=r"batch leaf \['lr'\] is a scalar"):
+    # dp.jit takes no static arguments: the message named one (a trial)
+    with pytest.raises(ValueError, match=r"batch leaf \['lr'\] is a scalar.*fold_in"):
         train(p, s, {"x": batches(1)[0], "lr": np.float32(0.1)})
     uneven = ozo.data_parallel(mesh, {**SPECS, "b": P("model")})
     with pytest.raises(ValueError, match=r"\['b'\] of shape \(3,\) .*dimension 0 \(3\) does"):
