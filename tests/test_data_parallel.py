@@ -6,12 +6,14 @@ carries only the model's own collectives, model-sharded leaves (and their state)
 and training follows the 1-D run of the same model; clear errors for bad input.
 """
 
+import gc
 import os
 import pathlib
 import re
 import subprocess
 import sys
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -356,9 +358,11 @@ def test_two_d_training_follows_the_one_d_run_and_eval_params_are_in_the_user_la
 
 
 def test_the_layout_helpers_compile_once(two_d):
-    """dp.synchronized_params, dp.from_workers and dp.init wrapped a fresh jax.jit at every
-    call, so each evaluation of a loop compiled anew (~0.6 s on the example's model; a trial).
-    Each is one program now, compiled once per shape; the results are the same."""
+    """dp.synchronized_params and dp.from_workers wrapped a fresh jax.jit at every call, so
+    each evaluation of a loop compiled anew (~0.6 s on the example's model; a trial). Each is
+    one program now, compiled once per shape; the results are the same. The programs kept do
+    not hold the helper (a review: a cycle left a used helper to the cyclic GC), and dp.init,
+    called once a run, keeps none (a review: a new optimizer per call was kept for good)."""
     dp, tx, params_w, state, losses, train = two_d
     first = dp.synchronized_params(params_w, state)
     for _ in range(3):
@@ -369,8 +373,18 @@ def test_the_layout_helpers_compile_once(two_d):
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(a, b)
     programs = dp._programs.values()
-    assert len(programs) == 4  # synchronized_params, from_workers for 2 workers, init
+    assert len(programs) == 3  # synchronized_params, from_workers for 2 workers
     assert all(program._cache_size() == 1 for program in programs)
+    fresh = ozo.data_parallel(dp.mesh, job.setup(dp.mesh)[3])
+    fresh.synchronized_params(params_w, state)
+    fresh.from_workers(params_w)
+    alive = weakref.ref(fresh)
+    gc.disable()
+    try:
+        del fresh
+        assert alive() is None  # freed by reference counting
+    finally:
+        gc.enable()
 
 
 def test_a_scan_over_steps_inside_the_step_on_a_model_sharded_mesh():
@@ -992,6 +1006,8 @@ def test_layout_and_argument_checks_of_a_review():
     # dp.jit takes no static arguments: the message named one (a trial)
     with pytest.raises(ValueError, match=r"batch leaf \['lr'\] is a scalar.*fold_in"):
         train(p, s, {"x": batches(1)[0], "lr": np.float32(0.1)})
+    with pytest.raises(ValueError, match=r"\['key'\] has shape \(2,\).*A random key\?"):
+        train(p, s, {"x": batches(1)[0], "key": jax.random.PRNGKey(0)})  # a raw key: (2,)
     uneven = ozo.data_parallel(mesh, {**SPECS, "b": P("model")})
     with pytest.raises(ValueError, match=r"\['b'\] of shape \(3,\) .*dimension 0 \(3\) does"):
         uneven.to_workers({**host_params(), "b": np.zeros(3, np.float32)})

@@ -114,14 +114,18 @@ class DataParallel:
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
 
-    def _program(self, key: Any, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-        """The program ``make()`` built for ``key`` the first time it is asked for."""
+    def _program(
+        self, key: Any, make: Callable[[DataParallel], Callable[..., Any]]
+    ) -> Callable[..., Any]:
+        """The program ``make(helper)`` built for ``key`` the first time it is asked for;
+        ``helper`` is a copy of this one without the kept programs, for ``make`` to close over
+        (closing over ``self`` made a cycle: a used helper was freed by the cyclic GC only)."""
         try:
             hash(key)
         except TypeError:  # e.g. specs holding something unhashable: not kept
-            return make()
+            return make(dataclasses.replace(self))
         if key not in self._programs:
-            self._programs[key] = make()
+            self._programs[key] = make(dataclasses.replace(self))
         return self._programs[key]
 
     @property
@@ -235,9 +239,9 @@ class DataParallel:
         leaves, treedef = jax.tree.flatten(specs)
         program = self._program(
             ("from_workers", int(worker), treedef, tuple(leaves)),
-            lambda: jax.jit(
+            lambda helper: jax.jit(
                 lambda t: jax.tree.map(lambda x: x[worker], t),
-                out_shardings=self._shardings(specs),
+                out_shardings=helper._shardings(specs),
             ),
         )
         return program(tree)
@@ -419,7 +423,7 @@ class DataParallel:
                 f"some params are sharded over {self.other_axes}: wrap the optimizer with "
                 "dp.optimizer(tx), so that it runs on each model shard instead of gathering them."
             )
-        return self._program(("init", tx), lambda: jax.jit(self.on_workers(tx.init)))(params)
+        return jax.jit(self.on_workers(tx.init))(params)  # once a run: not kept (a new tx each)
 
     def on_workers(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` on one worker's trees, lifted to the worker layout: every argument and result
@@ -598,6 +602,12 @@ class DataParallel:
                     f"batch leaf {_checks.leaf_name(path)} has shape {np.shape(x)}: its leading "
                     f"axis must split into {n} equal parts, one per data worker. Make the "
                     f"global batch size a multiple of {n}."
+                    + (  # jax.random.PRNGKey: (2,) uint32 (a review)
+                        f" A random key? Broadcast it to one row per worker ({n} rows) and fold "
+                        "in the worker's index inside the step."
+                        if np.shape(x) == (2,) and np.dtype(getattr(x, "dtype", None)) == np.uint32
+                        else ""
+                    )
                 )
 
     # ------------------------------------------------------------------ evaluation
@@ -608,26 +618,25 @@ class DataParallel:
         self.check_worker_layout(params, "params")
         specs, stack = self.param_specs, P(self.other_axes)
 
-        def one(p: Any, s: Any) -> Any:
-            found = _graph.nodes_of(s, ShardLocalState)
-            if not found:
-                return workers.synchronized_params(p, s)
-            if len(found) > 1:
-                raise ValueError("opt_state holds more than one ShardLocalState")
+        def make(helper: DataParallel) -> Callable[..., Any]:
+            def one(p: Any, s: Any) -> Any:
+                found = _graph.nodes_of(s, ShardLocalState)
+                if not found:
+                    return workers.synchronized_params(p, s)
+                if len(found) > 1:
+                    raise ValueError("opt_state holds more than one ShardLocalState")
 
-            def local(p: Any, d: Any) -> Any:
-                return workers.synchronized_params(p, jax.tree.map(lambda x: x[0], d))
+                def local(p: Any, d: Any) -> Any:
+                    return workers.synchronized_params(p, jax.tree.map(lambda x: x[0], d))
 
-            return self._per_shard(local, (specs, stack), specs)(p, found[0].inner)
+                return helper._per_shard(local, (specs, stack), specs)(p, found[0].inner)
 
-        program = self._program(
-            ("synchronized_params",),
-            lambda: jax.jit(
-                lambda p, s: jax.tree.map(lambda x: x[0], self.on_workers(one)(p, s)),
-                out_shardings=self._shardings(specs),
-            ),
-        )
-        return program(params, opt_state)
+            return jax.jit(
+                lambda p, s: jax.tree.map(lambda x: x[0], helper.on_workers(one)(p, s)),
+                out_shardings=helper._shardings(specs),
+            )
+
+        return self._program(("synchronized_params",), make)(params, opt_state)
 
 
 def data_parallel(
