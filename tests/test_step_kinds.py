@@ -633,35 +633,36 @@ def test_a_state_restored_under_other_schedule_arguments_is_refused_at_once(othe
     for p, s in reversed(saved):
         again(p, s, grads_at(50))
     p, s = saved[-1]  # step 18: phase B, syncs 16 and 20 apart
-    # a loop of the user's own (in the graph, or hinted) checks once after its restore
-    ozo.check_schedule(s, SCHEDULE)
-    with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
-        ozo.check_schedule(s, other)
-    before = jax.tree.map(np.asarray, s)
-    with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
-        _dispatched_with(tx, schedule=other)(p, s, grads_at(50))
-    assert_same_bits(s, before)  # nothing ran
+    _refused_before_it_runs(tx, p, s, other, 18, r"state at step 18 is not where this schedule")
+
+
+def _refused_before_it_runs(tx, params, state, other, step, match):
+    """A loop of the user's own (in the graph, or hinted) checking once after its restore, and
+    a dispatcher at its first call, refuse ``state`` under the schedule ``other`` (but not
+    under its own); nothing runs."""
+    ozo.check_schedule(state, SCHEDULE)
+    with pytest.raises(ValueError, match=match):
+        ozo.check_schedule(state, other)
+    before = jax.tree.map(np.asarray, state)
+    with pytest.raises(ValueError, match=rf"state at step {step} is not where this schedule"):
+        _dispatched_with(tx, schedule=other)(params, state, grads_at(50))
+    assert_same_bits(state, before)
 
 
 def test_a_phase_a_state_restored_under_another_var_update_scaler_is_refused_at_once():
     """A trial: saved in phase A with var_update_scaler 2 and resumed with 3, the state's
-    variance counters were never compared, and a
-    dispatcher refused the kinds its walk gave for 7 steps before it said so (a loop deciding
-    in the graph got no error at all). The counters of every state that keeps them are
-    compared with the walk at the first call now, while they still act (phase A)."""
+    variance counters were never compared, and a dispatcher refused the kinds its walk gave
+    for 7 steps before it said so (a loop deciding in the graph got no error at all). The
+    counters of every state that keeps them are compared with the walk at the first call now,
+    while they still act (phase A)."""
     tx = zero_one()
     params, run = params0(), _dispatched(tx)
     state = jax.vmap(tx.init, axis_name=AXIS)(params)
     for k in range(1, 8):  # variance steps 1, 2, 4, 6: interval 4 (with kappa 3: 2, 2 counted)
         params, state = run(params, state, grads_at(k))
     other = ozo.StepSchedule(ozo.VarianceDoubling(freeze_step=8, update_scaler=3), LOCAL)
-    ozo.check_schedule(state, SCHEDULE)
-    with pytest.raises(ValueError, match=r"State.variance_policy is \[4, 0\].* give \[2, 2\]"):
-        ozo.check_schedule(state, other)
-    before = jax.tree.map(np.asarray, state)
-    with pytest.raises(ValueError, match=r"state at step 7 is not where this schedule puts it"):
-        _dispatched_with(tx, schedule=other)(params, state, grads_at(50))
-    assert_same_bits(state, before)  # nothing ran
+    match = r"State.variance_policy is \[4, 0\].* give \[2, 2\]"
+    _refused_before_it_runs(tx, params, state, other, 7, match)
 
 
 def test_a_state_inside_a_dataclass_is_checked_as_a_bare_one():
