@@ -254,23 +254,22 @@ def schedules_checked_at_init(
     if not pending:
         return tx
 
-    def check(now: bool) -> None:
-        if pending and (now or _graph.backends_started(default=True)):
+    def check() -> None:
+        if pending and _graph.backends_started(default=True):
             for name, schedule in list(pending.items()):  # threads may check twice: harmless
                 _check_schedule_value(name, schedule)
                 pending.pop(name, None)
 
     def init_fn(params: Any) -> Any:
-        # before and after: an eager init that is the script's first computation starts the
-        # backend itself (a review: NumPy params skipped the check for good); under eval_shape
-        # or a jit trace before any backend ran, nothing starts one here
-        check(False)
         state = tx.init(params)
-        check(False)
+        # after it: an eager init that is the script's first computation starts the backend
+        # itself (a review: NumPy params skipped the check for good); under eval_shape or a
+        # jit trace before any backend ran, nothing starts one here
+        check()
         return state
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        check(False)  # traced after a state was made: a backend runs
+        check()  # traced after a state was made: a backend runs
         return tx.update(updates, state, params, **extra_args)
 
     return tx._replace(init=init_fn, update=update_fn)
