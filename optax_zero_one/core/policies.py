@@ -203,8 +203,26 @@ class LocalStepDoubling(_IntervalDoubling):
         return IntervalState(self._doubled(int(state.interval), doublings, self.clipper), counter)
 
 
+class _NoCounters:
+    """What the policies without counters share: the state is ``()`` and never changes."""
+
+    def init(self) -> tuple:
+        """No counters."""
+        return ()
+
+    def next(self, state: tuple, step: Any) -> tuple:
+        """Nothing to count."""
+        del step
+        return state
+
+    def jump(self, state: tuple, first: int, last: int) -> tuple:
+        """Nothing to count."""
+        del first, last
+        return state
+
+
 @dataclasses.dataclass(frozen=True)
-class SyncEvery:
+class SyncEvery(_NoCounters):
     """A local-step policy with a fixed gap: step ``k`` is a sync step if ``k % every == 0``.
 
     DiLoCo's schedule (``every = H`` inner steps between outer steps). The test is on the
@@ -227,28 +245,14 @@ class SyncEvery:
     def __post_init__(self) -> None:
         _checks.check_int("sync_every", self.every, 1)
 
-    def init(self) -> tuple:
-        """No counters: the gap never changes."""
-        return ()
-
     def is_sync_step(self, state: tuple, step: Any) -> Any:
         """Whether step ``k`` is a multiple of ``every``."""
         del state
         return step % self.every == 0
 
-    def next(self, state: tuple, step: Any) -> tuple:
-        """Nothing to count."""
-        del step
-        return state
-
-    def jump(self, state: tuple, first: int, last: int) -> tuple:
-        """Nothing to count."""
-        del first, last
-        return state
-
 
 @dataclasses.dataclass(frozen=True)
-class FullPrecisionWarmup:
+class FullPrecisionWarmup(_NoCounters):
     """1-bit Adam's variance policy: every step up to ``freeze_step`` updates the variance.
 
     Args:
@@ -267,24 +271,10 @@ class FullPrecisionWarmup:
     def __post_init__(self) -> None:
         _checks.check_int("freeze_step", self.freeze_step, 0)
 
-    def init(self) -> tuple:
-        """No counters."""
-        return ()
-
     def is_update_step(self, state: tuple, step: Any) -> Any:
         """Every step (up to the freeze)."""
         del state
         return step == step
-
-    def next(self, state: tuple, step: Any) -> tuple:
-        """Nothing to count."""
-        del step
-        return state
-
-    def jump(self, state: tuple, first: int, last: int) -> tuple:
-        """Nothing to count."""
-        del first, last
-        return state
 
 
 def variance_walked(walked: Any) -> tuple[tuple[str, Any], ...]:
