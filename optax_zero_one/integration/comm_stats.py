@@ -267,11 +267,18 @@ def _groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
     if explicit:
         found = re.findall(r"\{([\d,\s]+)\}", explicit.group(1))
         return tuple(tuple(int(i) for i in g.split(",")) for g in found) or None
-    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-    if pairs:  # a collective-permute: each (source, target) pair is a group of its own
-        found = re.findall(r"(\d+)\s*,\s*(\d+)", pairs.group(1))
-        return tuple((int(a), int(b)) for a, b in found) or None
+    pairs = _pairs(attrs)
+    if pairs is not None:  # a collective-permute: each (source, target) pair is a group
+        return pairs or None
     return _mesh_groups(attrs)
+
+
+def _pairs(attrs: str) -> tuple[tuple[int, int], ...] | None:
+    """A collective-permute's ``source_target_pairs``, or ``None`` without them."""
+    found = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if not found:
+        return None
+    return tuple((int(a), int(b)) for a, b in re.findall(r"(\d+)\s*,\s*(\d+)", found.group(1)))
 
 
 def _mesh_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
@@ -301,9 +308,9 @@ def _group_size(attrs: str, default: int) -> int:
     explicit = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attrs)
     if explicit and explicit.group(1).strip():
         return len(explicit.group(1).split(","))
-    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-    if pairs:
-        return len(set(re.findall(r"\d+", pairs.group(1))))
+    pairs = _pairs(attrs)
+    if pairs is not None:
+        return len({device for pair in pairs for device in pair})
     return default
 
 
