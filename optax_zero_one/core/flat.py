@@ -371,10 +371,15 @@ def to_flat(tree: Any, layout: Layout, dtype: Any = None) -> FlatTree:
     for leaf, size, padded, columns in zip(
         jax.tree.leaves(tree), layout.sizes, layout.padded, layout.columns
     ):
-        # lax.pad, not jnp.pad: one primitive each, which keeps tracing a large tree fast
-        flat = lax.pad(jnp.ravel(leaf).astype(dtype), zero, [(0, int(padded - size), 0)])
+        # lax.pad, not jnp.pad: one primitive each, and none where there is nothing to pad
+        # (the common case): fewer operations to trace, lower and compile for a large tree
+        flat = jnp.ravel(leaf).astype(dtype)
+        if padded > size:
+            flat = lax.pad(flat, zero, [(0, int(padded - size), 0)])
         rows = flat.reshape(n, int(padded) // n)
-        pieces.append(lax.pad(rows, zero, [(0, 0, 0), (0, int(columns) - rows.shape[1], 0)]))
+        if columns > rows.shape[1]:
+            rows = lax.pad(rows, zero, [(0, 0, 0), (0, int(columns) - rows.shape[1], 0)])
+        pieces.append(rows)
     buffer = jnp.concatenate(pieces, axis=1) if pieces else jnp.zeros((n, 0), dtype)
     return FlatTree(buffer, layout)
 
@@ -433,7 +438,9 @@ def cut_leaves(
         if not size:  # made, not sliced (see FlatTree.to_tree)
             leaves.append(jnp.zeros(shape, dtype))
             continue
-        piece = lax.slice_in_dim(take(offsets[i], chunk).reshape(-1), 0, size)
+        piece = take(offsets[i], chunk).reshape(-1)
+        if piece.shape[0] > size:
+            piece = lax.slice_in_dim(piece, 0, size)
         leaves.append(piece.reshape(shape).astype(dtype))
     return jax.tree.unflatten(jax.tree.structure(dtypes), leaves)
 
