@@ -94,20 +94,24 @@ class _IntervalDoubling:
     def _counted(state: IntervalState, count: Any, limit: int, clip: int | None) -> IntervalState:
         counter = state.counter + count
         full = counter >= limit
-        # doubled, at most to the clip (or int32's largest value): i + min(i, cap - i), which
-        # never leaves int32 on the device, where i * 2 wrapped past 2**30 (to -2**31, then 0)
-        # and the host's Python ints did not
-        cap = _checks.INT32_MAX if clip is None else clip
-        interval = state.interval + full * _minimum(state.interval, cap - state.interval)
+        interval = state.interval + full * _IntervalDoubling._growth(state.interval, clip)
         return IntervalState(interval, counter * (1 - full))
 
     @staticmethod
     def _doubled(interval: int, times: int, clip: int | None) -> int:
         """``interval`` doubled ``times`` times as :meth:`_counted` doubles it (host ints)."""
-        cap = _checks.INT32_MAX if clip is None else clip
         for _ in range(min(times, 64)):  # at the cap within 31 doublings
-            interval += min(interval, cap - interval)
+            interval += _IntervalDoubling._growth(interval, clip)
         return interval
+
+    @staticmethod
+    def _growth(interval: Any, clip: int | None) -> Any:
+        """What one doubling adds to ``interval`` (a Python int or an int32 array): ``min(i,
+        cap - i)``, so that it stops at the clip (or int32's largest value) and never leaves
+        int32 on the device, where ``i * 2`` wrapped past 2**30 (to -2**31, then 0) and the
+        host's Python ints did not."""
+        cap = _checks.INT32_MAX if clip is None else clip
+        return _minimum(interval, cap - interval)
 
 
 @dataclasses.dataclass(frozen=True)
