@@ -328,12 +328,19 @@ def compile_ahead(program: str, leaves: int, workers: int, threads: bool) -> dic
     return {"all_kinds_ahead_s": time.perf_counter() - start, "per_kind_ahead_s": seconds}
 
 
-def child_result(flags: list[str], tag: str, what: str, timeout: int, **env: str) -> dict:
+def child_result(
+    flags: list[str], tag: str, what: str, timeout: int, glibc: bool = False, **env: str
+) -> dict:
     """Runs ``python -m benchmarks.overhead *flags`` in a fresh process (this environment plus
-    ``env``) and returns the JSON it printed after ``tag``; ``what`` names it in an error."""
+    ``env``; with ``glibc``, less :data:`common.KEEP_MEMORY`: glibc's allocator as it comes) and
+    returns the JSON it printed after ``tag``; ``what`` names it in an error."""
     cmd = [sys.executable, "-m", "benchmarks.overhead", *flags]
+    environ = dict(os.environ, **env)
+    if glibc:
+        cmd.append(common.SYSTEM_ALLOCATOR)
+        environ = {k: v for k, v in environ.items() if k not in common.KEEP_MEMORY}
     out = subprocess.run(
-        cmd, cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith(f"{tag} ")]
     if out.returncode or not lines:
@@ -346,13 +353,12 @@ NO_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}  # on this process's platfo
 
 
 def compile_in_fresh_process(
-    program: str, leaves: int, workers: int, ahead: str | None = None
+    program: str, leaves: int, workers: int, ahead: str | None = None, glibc: bool = False
 ) -> dict:
     flags = ["--compile-one", program, "--compile-leaves", str(leaves)]
     flags += ["--compile-workers", str(workers)] + (["--compile-ahead", ahead] if ahead else [])
-    return child_result(
-        flags, "COMPILE", f"compile of {program} at {leaves} leaves", 900, **NO_CACHE
-    )
+    what = f"compile of {program} at {leaves} leaves"
+    return child_result(flags, "COMPILE", what, 900, glibc, **NO_CACHE)
 
 
 COLD_MODES = ("lazy", "precompile", "in the background")
@@ -409,7 +415,7 @@ def measure_cold_runs(repeats: int, log: Callable) -> list:
 def measure_compile(leaf_counts: list[int], workers: int, repeats: int, log: Callable) -> list:
     rows = []
     for leaves in leaf_counts:
-        base = None
+        base = base_glibc = None
         for program in COMPILE_PROGRAMS:
             runs = [compile_in_fresh_process(program, leaves, workers) for _ in range(repeats)]
             row = {
@@ -435,6 +441,18 @@ def measure_compile(leaf_counts: list[int], workers: int, repeats: int, log: Cal
                     r["all_kinds_ahead_s"] for r in ahead
                 )
                 row[f"runs_{mode}_s"] = [round(r["all_kinds_ahead_s"], 3) for r in ahead]
+            # precompiled again with glibc's allocator as it comes: one arena (KEEP_MEMORY, set
+            # for the step times) makes the compile threads wait on each other's allocations
+            mode = None if program == ADAM_PMEAN else "ahead"
+            key = "total_s" if program == ADAM_PMEAN else "all_kinds_ahead_s"
+            glibc = [
+                compile_in_fresh_process(program, leaves, workers, mode, glibc=True)[key]
+                for _ in range(repeats)
+            ]
+            row["all_kinds_ahead_glibc_s"] = statistics.median(glibc)
+            row["runs_ahead_glibc_s"] = [round(t, 3) for t in glibc]
+            base_glibc = base_glibc or row["all_kinds_ahead_glibc_s"]
+            row["all_kinds_ahead_glibc_ratio"] = row["all_kinds_ahead_glibc_s"] / base_glibc
             base = base or row["total_s"]
             row["ratio_to_adam_pmean"] = row["total_s"] / base
             row["first_kind_ratio"] = row["first_kind_s"] / base
@@ -450,7 +468,9 @@ def measure_compile(leaf_counts: list[int], workers: int, repeats: int, log: Cal
                 f"{row['all_kinds_s']:.2f} s x{row['all_kinds_ratio']:.2f}; fresh, in turn "
                 f"{row['all_kinds_turn_s']:.2f} s x{row['all_kinds_turn_ratio']:.2f}, "
                 f"precompiled {row['all_kinds_ahead_s']:.2f} s "
-                f"x{row['all_kinds_ahead_ratio']:.2f}  "
+                f"x{row['all_kinds_ahead_ratio']:.2f}, precompiled with glibc as it comes "
+                f"{row['all_kinds_ahead_glibc_s']:.2f} s "
+                f"x{row['all_kinds_ahead_glibc_ratio']:.2f}  "
                 f"[{row['hlo_instructions']} HLO instructions in-graph; runs {row['runs_total_s']}]"
             )
     return rows
@@ -1045,13 +1065,17 @@ def tables(result: dict) -> str:
             "programs of all kinds one after the other (what a dispatched run compiles, each "
             "at its kind's first step; in the same process, after the in-graph update), then "
             "all kinds before a first step in a fresh process: in turn, and precompiled "
-            "(`precompile`: each compiled on a thread while the next lowers; wall time). "
+            "(`precompile`: each compiled on a thread while the next lowers; wall time), the "
+            "last also with glibc's allocator as it comes (each process here keeps its memory "
+            "in one arena, set for the step times, in which the compile threads wait on each "
+            "other's allocations; against adam+pmean compiled the same way). "
             f"Targets: first <= {COMPILE_TARGETS['first']}x, all <= {COMPILE_TARGETS['all']}x "
             "adam+pmean.",
             "",
             "| program | leaves | params | in-graph s | x adam+pmean | first kind s | x | "
-            "all kinds s | x | fresh, in turn s | x | fresh, precompiled s | x |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "all kinds s | x | fresh, in turn s | x | fresh, precompiled s | x | "
+            "precompiled, glibc as it comes s | x |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["compile"]:
             out.append(
@@ -1061,7 +1085,7 @@ def tables(result: dict) -> str:
                 f"{r['all_kinds_ratio']:.2f} | "
                 + " | ".join(
                     f"{r.get(f'all_kinds_{mode}_{what}', float('nan')):.2f}"
-                    for mode in ("turn", "ahead")
+                    for mode in ("turn", "ahead", "ahead_glibc")
                     for what in ("s", "ratio")
                 )
                 + " |"
