@@ -95,6 +95,53 @@ def test_one_program_per_kind_follows_the_in_graph_program():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_a_step_that_does_not_forward_step_kind_runs_in_graph_with_a_warning():
+    """dp.jit(step, schedule=...) runs the step under vmap over the worker's one-entry block,
+    for programs of one kind. A step that takes step_kind but does not pass it to the update
+    made the update decide in the graph under that vmap, which JAX could not batch (a trial:
+    ``pvary is a invariant->variant collective`` from deep inside the compressor). It now runs
+    on the block's entry, as dp.jit without a schedule does (the same steps, bitwise), and a
+    warning says to forward step_kind; so does ``on_workers(..., batched=True)``."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    dp, tx, step, params = job.setup(mesh)
+
+    def forgets(p, s, x, step_kind=None):
+        return step(p, s, x)  # the hint is dropped: the update decides in the graph
+
+    def run(fn):
+        p = dp.to_workers(params)
+        s = dp.init(tx, p)
+        for x in batches(STEPS):
+            p, s, _ = fn(p, s, x)
+        return jax.tree.leaves((p, s))
+
+    with pytest.warns(UserWarning, match="forward the step_kind"):
+        dropped = run(dp.jit(forgets, schedule=SCHEDULE))
+    for a, b in zip(dropped, run(dp.jit(step)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    workers = ozo.worker_mesh("data", N)
+    opt = make_tx()
+
+    def worker_step(p, s, x):
+        _, g = jax.value_and_grad(loss_fn)(p, x)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def on_rows(batched):
+        p = ozo.to_workers(ozo.replicate(host_params(), N), workers)
+        s = jax.jit(ozo.on_workers(opt.init, workers))(p)
+        fn = jax.jit(ozo.on_workers(worker_step, workers, batched=batched))
+        for x in batches(STEPS):
+            p, s = fn(p, s, x.reshape(N, -1, *x.shape[1:]))
+        return jax.tree.leaves((p, s))
+
+    with pytest.warns(UserWarning, match="no step_kind"):
+        batched = on_rows(True)
+    for a, b in zip(batched, on_rows(False), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _layout_checks(monkeypatch, dp):
     """A list that records the ``what`` of every ``dp.check_worker_layout`` call from now on."""
     checked = []

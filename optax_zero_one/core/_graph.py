@@ -20,6 +20,7 @@ typing, the finiteness checks and the counters of a state (``docs/design.md``, "
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -145,6 +146,8 @@ def switch(
     """
     if len(branches) == 1:
         return branches[0](operand)
+    if _ROWS.get():
+        raise DecidedInGraph
     index = once_for_all_workers(index, axis_name)
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves((index, operand))))
     # shard_map's check wants every branch to return the same varying types. Inside a
@@ -158,6 +161,32 @@ def switch(
         return lambda x: jax.tree.map(lambda y: typing(jnp.asarray(y)), branch(x))
 
     return jax.lax.switch(index, [typed(b) for b in branches], operand)
+
+
+# Whether the workers' code is being traced under jax.vmap over each device's one-row block of
+# a shard_map (on_workers(..., batched=True), dp.jit with a schedule)
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("optax_zero_one_rows", default=False)
+
+
+class DecidedInGraph(Exception):
+    """Raised by :func:`switch` while :func:`rows_batched` is open: the update decides its step
+    kind in the graph, which that body must not run under ``vmap``."""
+
+
+@contextlib.contextmanager
+def rows_batched() -> Iterator[None]:
+    """While this is open (at trace time), :func:`switch` raises :class:`DecidedInGraph`.
+
+    A ``shard_map`` body run under ``jax.vmap`` over each device's block of one row is for
+    programs of one step kind (``step_kind=``). An update without the hint decides its kind in
+    the graph; batched, its switch would be a select over every branch, which JAX 0.10 cannot
+    batch inside ``shard_map`` (``pvary is a invariant->variant collective``), so the body
+    catches this and runs the worker's code on the row instead."""
+    token = _ROWS.set(True)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
 
 
 def _new_value(y: jax.Array) -> jax.Array:

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one.core import _checks
+from optax_zero_one.core import _checks, _graph
 
 # The environment variables ``optax_zero_one.integration.launch`` sets for each process.
 COORDINATOR = "OZO_COORDINATOR"  # host:port of process 0
@@ -339,10 +340,10 @@ def on_workers(
       batched: run ``fn`` under ``jax.vmap`` over each device's one-row block instead of on the
         row. For a program compiled for one step kind (``step_kind=``): XLA:CPU then writes the
         new params and state in place over the donated old ones, where dropping the row makes
-        it copy them (``docs/jit.md``, "Performance on CPU"). Not for the update that decides
-        its kind in the graph (its conditionals on the counters would become selects), and a
-        ``lax.cond`` on the worker's own values in ``fn`` runs both branches, as under any
-        ``vmap``.
+        it copy them (``docs/jit.md``, "Performance on CPU"). An update that decides its kind in
+        the graph (no ``step_kind``) is not run under the vmap, where its conditionals would
+        become selects: ``fn`` then runs on the row, with a warning. A ``lax.cond`` on the
+        worker's own values in ``fn`` runs both branches, as under any ``vmap``.
 
     Returns:
       ``fn`` on trees in the worker layout.
@@ -378,7 +379,19 @@ def worker_body(fn: Callable[..., Any], batched: bool, axes: Any, owner: str) ->
         _check_one_row_each(args, names, owner)
         with _checks.expect_worker_axes(expected, owner):
             if batched:
-                return jax.vmap(fn)(*args)
+                try:
+                    with _graph.rows_batched():
+                        return jax.vmap(fn)(*args)
+                except _graph.DecidedInGraph:
+                    warnings.warn(
+                        f"{owner}: the optimizer's update got no step_kind, so it decides its "
+                        "step kind in the graph, and runs on each worker's row instead of "
+                        "under vmap (batched=False; XLA:CPU then copies the params and state "
+                        "each step, docs/jit.md). With dp.jit(step, schedule=...), forward "
+                        "the step_kind your step receives: tx.update(grads, opt_state, params, "
+                        "step_kind=step_kind).",
+                        stacklevel=2,
+                    )
             out = fn(*jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
