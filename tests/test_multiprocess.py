@@ -128,3 +128,26 @@ def test_unreplicate_reads_this_processs_rows(runs):
     refusals = [str(np.load(p)["unreplicate_refusal"]) for p in runs["2x2"].glob("exact_p*.npz")]
     assert len(refusals) == 2
     assert all("is not on a device of this process" in r for r in refusals), refusals
+
+
+def test_reset_compression_moves_a_state_that_spans_processes():
+    """``reset_compression`` read its arguments with ``np.asarray``, which refuses an array that
+    spans other processes' devices: the documented way to move a checkpoint to another worker
+    count crashed in every multi-process job (a trial). The job moves a 4-worker state placed
+    over both processes' devices to its 2 workers and checks its rows against the same reset
+    done on host copies (``support/jobs/reset_worker.py``)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    launch = ["optax_zero_one.integration.launch", "--processes", "2"]
+    launch += ["--devices-per-process", "1", "--timeout", "200", "--"]
+    out = subprocess.run(
+        [sys.executable, "-m", *launch, "support.jobs.reset_worker"],
+        cwd=TESTS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=260,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert sorted(
+        line.split("reset ok: ")[1][:9] for line in out.stdout.splitlines() if "reset ok" in line
+    ) == ["process 0", "process 1"], out.stdout[-2000:]

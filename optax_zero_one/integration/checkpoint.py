@@ -268,6 +268,11 @@ def reset_compression(
       sharding: where to put the params (default: where ``fresh_state``'s first leaf is, e.g.
         ``NamedSharding(mesh, P(axis_name))``).
 
+    In a job of several processes every process calls it with the same arguments: a restored
+    ``params`` or ``opt_state`` that spans other processes' devices is gathered to each host
+    (every old worker's copy, as in one process), and ``fresh_state`` is read where this
+    process holds it.
+
     Returns:
       ``(params, opt_state)`` in the worker layout for ``M`` workers.
 
@@ -308,10 +313,10 @@ def reset_compression(
         fresh_state = workers.replicate(fresh_state, 1)
     worker_count((params, opt_state))  # the layout must be consistent before we slice it
     num_workers = worker_count(fresh_state)
-    full = jax.tree.map(np.asarray, opt_state)
+    full = jax.tree.map(_on_host, opt_state)
     first = jax.tree.map(lambda x: x[0], full)
-    fresh0 = jax.tree.map(lambda x: np.asarray(x)[0], fresh_state)
-    params0 = workers.synchronized_params(jax.tree.map(lambda x: np.asarray(x)[0], params), first)
+    fresh0 = jax.tree.map(_first_row, fresh_state)
+    params0 = workers.synchronized_params(jax.tree.map(lambda x: _on_host(x)[0], params), first)
     state0 = Move(params0)(first, full, fresh0)
     placements = [getattr(x, "sharding", None) for x in jax.tree.leaves(fresh_state)]
     leaves, treedef = jax.tree.flatten(state0)
@@ -372,6 +377,24 @@ class Move:
         """The mean over the old workers of ``every`` (e.g. momenta), moved like ``fresh``."""
         mean = jax.tree.map(_worker_mean, every)
         return self(mean, mean, fresh)
+
+
+def _on_host(x: Any) -> np.ndarray:
+    """Every row of ``x`` on this host: an array that spans other processes' devices is
+    gathered (a collective: every process of a multi-process job calls reset_compression)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _first_row(x: Any) -> np.ndarray:
+    """Row 0 of a fresh state's leaf, read where this process holds it: every worker's row of
+    a state as ``init`` makes it is the same (no collective, nor the whole state on the host)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_shards[0].data
+    return np.asarray(x)[0]
 
 
 def _place(x: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
