@@ -732,6 +732,24 @@ def test_processes_that_build_their_params_apart_are_caught(tmp_path):
     assert not list(tmp_path.glob("p*.npz"))  # neither process finished training
 
 
+@pytest.mark.parametrize(
+    "differ, found",
+    [
+        ("schedule", "the schedule differs between process 0 and process 1"),
+        ("batch", "argument 2 of the step differs between process 0 and process 1"),
+    ],
+)
+def test_processes_that_run_different_steps_stop_at_the_first_call(tmp_path, differ, found):
+    """Each process dispatches on its own: with another schedule (a trial: var_freeze_step
+    set by process) the processes ran other kinds from the freeze on and hung at the next
+    collective, without a word; with a batch of another size per process they trained on
+    other rows, silently. The dispatcher's first call now compares the schedule, the step and
+    the arguments' shapes across processes, and every process stops with the error."""
+    output, _ = _two_processes(tmp_path, "--differ", differ).communicate(timeout=300)
+    assert found in output, output[-5000:]
+    assert output.count("The processes of this job do not run the same step") >= 2, output[-5000:]
+
+
 def test_two_processes_train_as_one(tmp_path):
     """The same training on 2 processes x 4 devices (the data axis spans both; params placed
     and converted per process) and on this process's 8 devices: the same losses and

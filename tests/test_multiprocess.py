@@ -151,3 +151,40 @@ def test_reset_compression_moves_a_state_that_spans_processes():
     assert sorted(
         line.split("reset ok: ")[1][:9] for line in out.stdout.splitlines() if "reset ok" in line
     ) == ["process 0", "process 1"], out.stdout[-2000:]
+
+
+def test_the_host_all_gather_works_with_unequal_devices_per_process():
+    """The dispatcher's cross-process checks gather a digest from every process. Through
+    ``multihost_utils.process_allgather`` they failed with a reshape error when one process
+    held 1 device and the other 2 (a trial, at the first check hours into a run); the gather
+    now goes over one device of each process."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for pid, devices in ((0, 1), (1, 2)):
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            OZO_COORDINATOR=f"127.0.0.1:{port}",
+            OZO_NUM_PROCESSES="2",
+            OZO_PROCESS_ID=str(pid),
+            JAX_NUM_CPU_DEVICES=str(devices),
+            PJRT_NPROC="2",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "support.jobs.allgather_worker"],
+                cwd=TESTS,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    for pid, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, output[-4000:]
+        assert f"gathered {pid} [[0, 7], [1, 7]]" in output, output[-4000:]

@@ -40,7 +40,7 @@ import optax
 
 from optax_zero_one.core import _checks, _graph, flat, kinds
 from optax_zero_one.core.kinds import StepKind, StepSchedule
-from optax_zero_one.integration import checkpoint
+from optax_zero_one.integration import checkpoint, distributed
 from optax_zero_one.integration.distributed import outside_user_mesh
 
 
@@ -338,6 +338,7 @@ class KindDispatcher:
         self._params_index = params_index  # where the params are among the results, if known
         self._params_checks = 0  # syncs after which the workers' params were compared
         self._after_local = False  # a local step ran since then
+        self._agreed = False  # the processes compared (schedule, step, arguments) since then
 
     def next_kind(self, state: Any) -> StepKind:
         """The kind the next call with ``state`` will run (reads the counter if ``state`` is
@@ -520,6 +521,9 @@ class KindDispatcher:
                 "pass state_index= the position of opt_state among them."
             )
         self._sync_with(args[self._state_index])
+        if not self._agreed:  # before any program that would wait on a process in vain
+            _check_processes_agree(self.schedule, self.step, args, self._state_index)
+            self._agreed = True
         # before this step's program: an error leaves the caller's state as it was (not donated)
         self._settle_with(args[self._state_index])
         kind = self._walk.kind(kinds._check_step(self.step))  # past int32's counters: an error
@@ -708,7 +712,7 @@ class KindDispatcher:
             self.step = int(self._confirmed[0]) + 1
             self._last_counter, self._last_refused = counter, refused
             self._since_check = 0
-            self._compared = self._after_local = False
+            self._compared = self._after_local = self._agreed = False
             self._params_checks = 0
 
     def _settle(self, window: list[_Pending]) -> None:
@@ -870,7 +874,9 @@ def check_workers_agree(
             f"the workers of process {first} and those of process {other}",
             at,
             " (across processes: each process must build the params from the same seed "
-            "and the same data, not from its process index)",
+            "and the same data, not from its process index, and the optimizer with the same "
+            "hyperparameters: a learning rate or weight decay that differs by process parts "
+            "the workers too)",
         )
 
 
@@ -900,8 +906,6 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     leaf and part, on every process (a host-side collective, once per run)."""
     if jax.process_count() == 1 or not entries:
         return None
-    from jax.experimental import multihost_utils
-
     keys = [
         (i, where)
         for i, (_, leaf, _) in enumerate(entries)
@@ -915,7 +919,7 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
         if found:
             digest = hashlib.blake2b(found[0][1].tobytes(), digest_size=8).digest()
             mine[:, k] = int.from_bytes(digest, "little", signed=True), 1
-    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, 2, keys)
+    every = distributed.host_allgather(mine)  # (processes, 2, keys)
     for k, (i, _) in enumerate(keys):
         held = np.flatnonzero(every[:, 1, k])
         digests = every[held, 0, k]
@@ -923,6 +927,64 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
         if differs.size:
             return entries[i][0], int(held[0]), int(differs[0])
     return None
+
+
+def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state: int) -> None:
+    """With several processes: raises ``ValueError`` on every process if they do not run the
+    same schedule, at the same step, on arguments of the same structure, shapes and dtypes
+    (one small host all-gather at a dispatcher's first call and after a restore).
+
+    Each process dispatches on its own: a process whose schedule, optimizer or batch differs
+    compiles other programs, whose collectives wait for partners that never come (trials: a
+    ``var_freeze_step`` or ``collective`` that differed by process hung the job without a
+    word; a batch of another size per process trained silently on other rows)."""
+    if jax.process_count() == 1:
+        return
+    described = repr(schedule)
+    parts = [("the schedule", "" if " at 0x" in described else described)]
+    for i, arg in enumerate(args):
+        leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+        shapes = ";".join(
+            f"{jax.tree_util.keystr(path)}:{np.shape(x)}:{getattr(x, 'dtype', type(x).__name__)}"
+            for path, x in leaves
+        )
+        what = "the optimizer state" if i == state else f"argument {i} of the step"
+        parts.append((what, shapes))
+    digests = [step] + [
+        int.from_bytes(
+            hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True
+        )
+        for _, text in parts
+    ]
+    every = distributed.host_allgather(np.asarray(digests, np.int64))
+    differs = np.flatnonzero((every != every[:1]).any(axis=1))
+    if not differs.size:
+        return
+    other = int(differs[0])
+    if every[other, 0] != every[0, 0]:
+        found = (
+            f"process 0 is at step {int(every[0, 0])} and process {other} at step "
+            f"{int(every[other, 0])} (restored from different checkpoints?)"
+        )
+    else:
+        k = int(np.flatnonzero(every[other, 1:] != every[0, 1:])[0])
+        found = f"{parts[k][0]} differs between process 0 and process {other}"
+        hint = {
+            "the schedule": " (built with other arguments)",
+            "the optimizer state": (
+                " in structure, shapes or dtypes (an optimizer built with other arguments, "
+                "e.g. collective= or mask=, or for another worker count)"
+            ),
+        }
+        found += hint.get(
+            parts[k][0], " in structure, shapes or dtypes (e.g. a batch of another size)"
+        )
+    raise ValueError(
+        f"The processes of this job do not run the same step: {found}. Every process must "
+        "call the step with the same optimizer, schedule and argument shapes (the global "
+        "batch, the same on each, or per-process data of the same size), from the same "
+        "checkpoint; else their collectives wait on each other for good."
+    )
 
 
 PARAMS_CHECKS = 3  # syncs after which a dispatcher compares the workers' params (a read each)

@@ -62,6 +62,37 @@ def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+@outside_user_mesh
+def host_allgather(values: np.ndarray) -> np.ndarray:
+    """Every process's ``values`` (a small int64 array of the same shape on each), stacked in
+    process order: ``(processes, *values.shape)``. A collective: every process must call it.
+
+    Over one device of each process, so that it works whatever the number of devices each
+    process holds (``multihost_utils.process_allgather`` places its input on every device and
+    failed with a reshape error when one process had 1 device and the other 2: a trial).
+    """
+    values = np.asarray(values, np.int64)
+    count = jax.process_count()
+    if count == 1:
+        return values[None]
+    firsts = {}
+    for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        firsts.setdefault(device.process_index, device)
+    devices = [firsts[p] for p in range(count)]
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("processes",))
+    mine = jax.device_put(values[None], firsts[jax.process_index()])
+    spread = jax.make_array_from_single_device_arrays(
+        (count, *values.shape), NamedSharding(mesh, P("processes")), [mine]
+    )
+    gathered = _replicate_over(mesh)(spread)
+    return np.asarray(gathered.addressable_data(0))
+
+
+@functools.cache
+def _replicate_over(mesh: jax.sharding.Mesh) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedJob:
     """Where this process sits in the job.

@@ -68,10 +68,10 @@ def loss_fn(p: dict, x: jax.Array) -> jax.Array:
     return jnp.mean((h @ p["w2"] + p["b"] - jnp.sin(x[:, :4])) ** 2)
 
 
-def batches(steps: int = STEPS) -> list[np.ndarray]:
+def batches(steps: int = STEPS, rows: int = 32) -> list[np.ndarray]:
     """The global batches, the same in every process."""
     rng = np.random.default_rng(1)
-    return [rng.standard_normal((32, 16)).astype(np.float32) for _ in range(steps)]
+    return [rng.standard_normal((rows, 16)).astype(np.float32) for _ in range(steps)]
 
 
 def job_mesh(model: int = 2) -> jax.sharding.Mesh:
@@ -105,7 +105,11 @@ def setup(mesh: jax.sharding.Mesh, seed: int = 0) -> tuple:
 
 
 def train(
-    mesh: jax.sharding.Mesh, steps: int = STEPS, seed: int = 0, schedule: object = None
+    mesh: jax.sharding.Mesh,
+    steps: int = STEPS,
+    seed: int = 0,
+    schedule: object = None,
+    rows: int = 32,
 ) -> dict:
     """Trains ``steps`` steps (dispatched by kind with ``schedule``); returns the helper, the
     final params, state and compiled step, and the mean loss over the data workers of every
@@ -116,7 +120,7 @@ def train(
     train_step = dp.jit(step, schedule=schedule)
     losses = []
     mean = jax.jit(jnp.mean, out_shardings=NamedSharding(mesh, P()))  # readable everywhere
-    for x in batches(steps):
+    for x in batches(steps, rows):
         params_w, state, loss = jax.block_until_ready(train_step(params_w, state, x))
         losses.append(float(np.asarray(mean(loss).addressable_data(0))))
     return dict(dp=dp, tx=tx, params_w=params_w, state=state, losses=losses, step=train_step)
@@ -135,10 +139,23 @@ def main() -> None:
     parser.add_argument(
         "--seed-per-process", action="store_true", help="a user's mistake: params apart"
     )
+    parser.add_argument(
+        "--differ",
+        choices=["schedule", "batch"],
+        help="a user's mistake: process 1 runs another schedule, or a batch of another size",
+    )
     args = parser.parse_args()
     job = ozo.initialize_from_env()
     if args.seed_per_process:  # dispatched: the dispatcher compares the workers
         train(job_mesh(), seed=job.process_id, schedule=SCHEDULE)
+        return
+    if args.differ:
+        other = job.process_id == 1
+        late = ozo.zero_one_schedule(
+            var_freeze_step=7, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2
+        )
+        schedule = late if other and args.differ == "schedule" else SCHEDULE
+        train(job_mesh(), schedule=schedule, rows=40 if other and args.differ == "batch" else 32)
         return
     run = train(job_mesh())
     args.out.mkdir(parents=True, exist_ok=True)
