@@ -42,6 +42,21 @@ def test_a_failing_process_stops_the_job_and_its_error_is_shown():
     assert elapsed < 150, "the launcher waited for a timeout instead of stopping the job"
 
 
+def test_a_process_killed_by_sigkill_is_named_first():
+    """A SIGKILLed process writes no note; the survivor's failed collective noted its failure
+    before the watcher thread recorded the kill, and the launcher named the survivor first
+    (a trial: 2 runs of 3), with the signal as a negative status. Three runs here."""
+    for _ in range(3):
+        result = _launch_two(
+            "support.jobs.launch_failing_worker", 200, 240, PJRT_NPROC="2", FAIL_BY_SIGKILL="1"
+        )
+        out = result.stdout
+        assert result.returncode == 137, out[-3000:]
+        assert "[launch] process 1 failed first, killed by SIGKILL (exit status 137)" in out, out[
+            -3000:
+        ]
+
+
 def test_a_module_that_never_joins_the_job_fails_it():
     """Each process of a module without ``initialize_from_env`` runs as a job of one and
     succeeds alone; the launcher reported success. Now each process fails at its end."""
