@@ -120,6 +120,19 @@ def test_a_step_that_does_not_forward_step_kind_runs_in_graph_with_a_warning():
     for a, b in zip(dropped, run(dp.jit(step)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    # the update inside the user's own jax.jit: traced on the row at the first kind, jit's
+    # cache then served that trace to the next kind's vmap, where no switch ran to raise (a
+    # review: the first sync step failed with the pvary error)
+    apply = jax.jit(lambda g, s, p: tx.update(g, s, p))
+
+    def cached(p, s, x, step_kind=None):
+        loss, g = jax.value_and_grad(loss_fn)(p, x)
+        u, s = apply(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    with pytest.warns(UserWarning, match="forward the step_kind"):
+        run(dp.jit(cached, schedule=SCHEDULE))
+
     workers = ozo.worker_mesh("data", N)
     opt = make_tx()
 

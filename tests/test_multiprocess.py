@@ -188,3 +188,26 @@ def test_the_host_all_gather_works_with_unequal_devices_per_process():
     for pid, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, output[-4000:]
         assert f"gathered {pid} [[0, 7], [1, 7]]" in output, output[-4000:]
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["sweep", "one process dispatches"])
+def test_runs_local_to_each_process_are_not_compared_across_processes(alone):
+    """The dispatcher's cross-process checks gather from every process; a run whose arrays all
+    live on one process's devices waits for no other process, so it is not compared (a review:
+    a sweep with a schedule per process was stopped as 'the schedule differs', and a dispatcher
+    on process 0 alone waited in the gather for a process that never came)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    launch = ["optax_zero_one.integration.launch", "--processes", "2"]
+    launch += ["--devices-per-process", "2", "--timeout", "200", "--"]
+    out = subprocess.run(
+        [sys.executable, "-m", *launch, "support.jobs.local_dispatch_worker"]
+        + (["--alone"] if alone else []),
+        cwd=TESTS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=260,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "process 0 trained" in out.stdout, out.stdout[-3000:]
+    assert ("process 1 sits out" if alone else "process 1 trained") in out.stdout

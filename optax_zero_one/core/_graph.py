@@ -173,6 +173,13 @@ class DecidedInGraph(Exception):
     kind in the graph, which that body must not run under ``vmap``."""
 
 
+def is_unbatchable_switch(err: ValueError) -> bool:
+    """Whether ``err`` is JAX's error for batching a conditional of this library's switch
+    inside ``shard_map`` (what :class:`DecidedInGraph` stands for where the switch was not
+    traced anew: a jitted function's cached trace)."""
+    return "pvary is a invariant->variant collective" in str(err)
+
+
 @contextlib.contextmanager
 def rows_batched() -> Iterator[None]:
     """While this is open (at trace time), :func:`switch` raises :class:`DecidedInGraph`.

@@ -904,7 +904,7 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     shared values differ between processes (compared where both hold the same part of it:
     model shards hold different values), else ``None``. One small all-gather of a digest per
     leaf and part, on every process (a host-side collective, once per run)."""
-    if jax.process_count() == 1 or not entries:
+    if jax.process_count() == 1 or not entries or _local(e[1] for e in entries):
         return None
     keys = [
         (i, where)
@@ -913,11 +913,11 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
             {_where(ix) for ix in leaf.sharding.devices_indices_map(leaf.shape).values()}, key=repr
         )
     ]
-    mine = np.zeros((2, len(keys)), np.int64)  # (digest, held)
+    mine = np.zeros((2, len(keys)), np.int32)  # (digest, held)
     for k, (i, where) in enumerate(keys):
         found = entries[i][2].get(where)
         if found:
-            digest = hashlib.blake2b(found[0][1].tobytes(), digest_size=8).digest()
+            digest = hashlib.blake2b(found[0][1].tobytes(), digest_size=4).digest()
             mine[:, k] = int.from_bytes(digest, "little", signed=True), 1
     every = distributed.host_allgather(mine)  # (processes, 2, keys)
     for k, (i, _) in enumerate(keys):
@@ -929,16 +929,24 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     return None
 
 
+def _local(leaves: Any) -> bool:
+    """Whether every array among ``leaves`` lives on this process's devices alone: a run that
+    does not span processes (each process training a model of its own, a sweep), whose
+    programs wait for no other process, and which another process need not be checking."""
+    return all(getattr(x, "is_fully_addressable", True) for x in leaves)
+
+
 def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state: int) -> None:
     """With several processes: raises ``ValueError`` on every process if they do not run the
     same schedule, at the same step, on arguments of the same structure, shapes and dtypes
-    (one small host all-gather at a dispatcher's first call and after a restore).
+    (one small host all-gather at a dispatcher's first call and after a restore; skipped where
+    every argument lives on this process alone).
 
     Each process dispatches on its own: a process whose schedule, optimizer or batch differs
     compiles other programs, whose collectives wait for partners that never come (trials: a
     ``var_freeze_step`` or ``collective`` that differed by process hung the job without a
     word; a batch of another size per process trained silently on other rows)."""
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or _local(jax.tree.leaves(args)):
         return
     described = repr(schedule)
     parts = [("the schedule", "" if " at 0x" in described else described)]
@@ -952,11 +960,11 @@ def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state
         parts.append((what, shapes))
     digests = [step] + [
         int.from_bytes(
-            hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True
+            hashlib.blake2b(text.encode(), digest_size=4).digest(), "little", signed=True
         )
         for _, text in parts
     ]
-    every = distributed.host_allgather(np.asarray(digests, np.int64))
+    every = distributed.host_allgather(np.asarray(digests, np.int32))
     differs = np.flatnonzero((every != every[:1]).any(axis=1))
     if not differs.size:
         return

@@ -64,14 +64,16 @@ def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @outside_user_mesh
 def host_allgather(values: np.ndarray) -> np.ndarray:
-    """Every process's ``values`` (a small int64 array of the same shape on each), stacked in
+    """Every process's ``values`` (a small int32 array of the same shape on each), stacked in
     process order: ``(processes, *values.shape)``. A collective: every process must call it.
 
     Over one device of each process, so that it works whatever the number of devices each
     process holds (``multihost_utils.process_allgather`` places its input on every device and
     failed with a reshape error when one process had 1 device and the other 2: a trial).
     """
-    values = np.asarray(values, np.int64)
+    values = np.asarray(values)
+    if values.dtype != np.int32:  # JAX keeps 32 bits of wider ints (x64 off): say so
+        raise TypeError(f"host_allgather gathers int32 values, got {values.dtype}")
     count = jax.process_count()
     if count == 1:
         return values[None]
@@ -413,7 +415,12 @@ def worker_body(fn: Callable[..., Any], batched: bool, axes: Any, owner: str) ->
                 try:
                     with _graph.rows_batched():
                         return jax.vmap(fn)(*args)
-                except _graph.DecidedInGraph:
+                except (_graph.DecidedInGraph, ValueError) as err:
+                    # an update traced before, on the row, inside the user's own jax.jit comes
+                    # from jit's cache without running switch: JAX's batching of its
+                    # conditional then fails with this error (JAX 0.10)
+                    if isinstance(err, ValueError) and not _graph.is_unbatchable_switch(err):
+                        raise
                     warnings.warn(
                         f"{owner}: the optimizer's update got no step_kind, so it decides its "
                         "step kind in the graph, and runs on each worker's row instead of "
@@ -421,7 +428,7 @@ def worker_body(fn: Callable[..., Any], batched: bool, axes: Any, owner: str) ->
                         "each step, docs/jit.md). With dp.jit(step, schedule=...), forward "
                         "the step_kind your step receives: tx.update(grads, opt_state, params, "
                         "step_kind=step_kind).",
-                        stacklevel=2,
+                        stacklevel=1,
                     )
             out = fn(*jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: jnp.asarray(x)[None], out)

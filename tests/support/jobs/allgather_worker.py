@@ -14,7 +14,7 @@ from optax_zero_one.integration import distributed
 
 def main() -> None:
     job = ozo.initialize_from_env()
-    got = distributed.host_allgather(np.asarray([job.process_id, 7]))
+    got = distributed.host_allgather(np.asarray([job.process_id, 7], np.int32))
     print(f"gathered {job.process_id} {got.tolist()}", flush=True)
 
 
