@@ -298,6 +298,49 @@ def test_dispatch_compares_the_params_after_more_than_one_sync():
         run.settle()
 
 
+def test_diloco_with_an_outer_nesterov_step_passes_the_params_check():
+    """A DiLoCo outer step can land a leaf near 0 while each worker's was far larger:
+    ``x + (xbar - x)`` then rounds at ``x``'s scale, and the check, scaled by the synchronised
+    point alone, stopped a correct 1-bit run at step 20 ("the workers' params differ": a bias
+    9.3e-10 apart, ~7.9e-4 after the sync and ~1e-2 before; a trial's MLP, reproduced here). It
+    now also scales by the params before the sync."""
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    tx = ozo.diloco(optax.adamw(4e-3), outer, 10, AXIS, collective="two_phase")
+    rng = np.random.default_rng(0)
+    teacher = rng.standard_normal((8, 4)).astype(np.float32)
+
+    def loss_fn(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+
+    def step(p, s, x, y, kind):
+        g = jax.grad(loss_fn)(p, x, y)
+        u, s = tx.update(g, s, p, step_kind=kind)
+        return optax.apply_updates(p, u), s
+
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(lambda *a: step(*a, kind), axis_name=AXIS)),
+        ozo.diloco_schedule(10),
+        params_index=0,
+    )
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    params = ozo.replicate(
+        {
+            "w1": jax.random.normal(k1, (8, 32)) / np.sqrt(8),
+            "b1": jnp.zeros(32),
+            "w2": jax.random.normal(k2, (32, 4)) / np.sqrt(32),
+            "b2": jnp.zeros(4),
+        },
+        N,
+    )
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    data = np.random.default_rng(1)
+    for _ in range(40):  # the params compared after the syncs of steps 20, 30 and 40
+        x = data.standard_normal((N, 16, 8)).astype(np.float32)
+        params, state = run(params, state, x, np.tanh(x @ teacher))
+    run.settle()
+    assert run._params_checks == 3
+
+
 def test_dispatch_of_a_vmapped_ensemble_of_one_worker_optimizers_is_not_stopped():
     """``jax.vmap`` over independent models (a sweep), each optimizer built for one worker:
     the leading axis is not a worker axis, and the models' anchors differ by design."""

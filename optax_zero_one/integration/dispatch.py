@@ -528,6 +528,15 @@ class KindDispatcher:
         self._settle_with(args[self._state_index])
         kind = self._walk.kind(kinds._check_step(self.step))  # past int32's counters: an error
         self.program(kind)
+        checks_params = (
+            self._params_index is not None
+            and self._params_checks < PARAMS_CHECKS
+            and kind.sync
+            and self._after_local
+        )
+        # the params before the sync, read before the step donates them: how far apart the
+        # workers' rounding may leave them (check_params_agree)
+        before = _peaks(args[self._params_index], self._last_counter) if checks_params else None
         out = self._raw[kind.name](*args)
         self._ran.add(kind.name)
         counts = None
@@ -558,10 +567,10 @@ class KindDispatcher:
             # at the first syncs after a local step (the workers apart before it): a sync lands
             # every worker on the same point. More than one: a wrapper with a period of its own
             # (optax.lookahead every 5 steps) may agree at one sync and part at the next (a trial)
-            if kind.sync and self._after_local:
+            if checks_params:
                 self._params_checks += 1
                 try:
-                    check_params_agree(out[self._params_index], counter, self.step)
+                    check_params_agree(out[self._params_index], counter, self.step, before)
                 except ValueError as apart:
                     self._explain(out[self._state_index], counter, refused, kind, apart)
                     raise
@@ -999,20 +1008,41 @@ PARAMS_CHECKS = 3  # syncs after which a dispatcher compares the workers' params
 
 
 @outside_user_mesh
-def check_params_agree(params: Any, counter: Any, step: int | None = None) -> None:
+def _peaks(params: Any, counter: Any) -> dict[str, float]:
+    """The largest magnitude among the sampled elements of each leaf of ``params`` (every
+    worker's), by key path: what the rounding of a step on them scales with."""
+    peaks = {}
+    for path, leaf in _worker_leaves(params, counter):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            rows = [r for found in _samples(leaf).values() for _, r in found]
+            peaks[jax.tree_util.keystr(path)] = max(
+                (float(np.max(np.abs(r.astype(np.float64)), initial=0.0)) for r in rows),
+                default=0.0,
+            )
+    return peaks
+
+
+@outside_user_mesh
+def check_params_agree(
+    params: Any, counter: Any, step: int | None = None, before: dict[str, float] | None = None
+) -> None:
     """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
-    the rounding of ``x + (xbar - x)`` in their dtype (a few ulps): a sync lands every worker
-    on the synchronised point, unless something after the optimizer changed its update or a
-    wrapper skipped it on one worker. A dispatcher that knows where the params are calls this
-    after the first :data:`PARAMS_CHECKS` syncs that follow a local step (a read back from the
-    device each)."""
+    the rounding of ``x + (xbar - x)`` in their dtype (a few ulps of the larger of ``x`` and
+    ``xbar``; ``before``: the peaks of the params before the sync, :func:`_peaks`): a sync
+    lands every worker on the synchronised point, unless something after the optimizer changed
+    its update or a wrapper skipped it on one worker. A dispatcher that knows where the params
+    are calls this after the first :data:`PARAMS_CHECKS` syncs that follow a local step (a
+    read back from the device each, and one of the params before the sync)."""
     for path, leaf in _worker_leaves(params, counter):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
         ulps = 8 * float(jnp.finfo(leaf.dtype).eps)
+        # a worker's params before the sync may be far larger than the synchronised point (a
+        # DiLoCo outer step lands near 0): x + (xbar - x) rounds at x's scale (a trial)
+        prior = (before or {}).get(jax.tree_util.keystr(path), 0.0)
         for found in _samples(leaf).values():
             first = found[0][1].astype(np.float64)
-            scale = max(float(np.max(np.abs(first), initial=0.0)), 1e-30)
+            scale = max(float(np.max(np.abs(first), initial=0.0)), prior, 1e-30)
             for worker, row in found[1:]:
                 gap = float(np.max(np.abs(row.astype(np.float64) - first), initial=0.0))
                 if gap > ulps * scale:
