@@ -757,14 +757,17 @@ class KindDispatcher:
         )
         if taken == len(window):  # the counter followed took every step, another state refused
             raise ValueError(
-                f"of steps {window[0].step} to {window[-1].step}, the optimizer state's first "
+                f"Of steps {window[0].step} to {window[-1].step}, the optimizer state's first "
                 f"step counter took every step while other states in it refused {refused} "
-                f"({asked} at the last refusal); a refused step is not applied. The state holds "
-                "several optimizers on different schedules (e.g. optax.multi_transform of two "
-                "with another var_freeze_step), and one dispatcher follows one schedule: give "
-                "them the same policies, or dispatch each optimizer's update in a step of its "
-                "own (its own dispatch_by_kind, its state argument holding that optimizer's "
-                "state only)."
+                f"({asked} at the last refusal); a refused step is not applied. Either a "
+                "transform inside the optimizer has a schedule of its own (e.g. an inner "
+                "ozo.scheduled_mean whose warm-up policy ends at another step than diloco's or "
+                "local_step_sync's start_step: give it the same), or the state holds several "
+                "optimizers on different schedules (e.g. optax.multi_transform of two with "
+                "another var_freeze_step), and one dispatcher follows one schedule: give them "
+                "the same policies, or dispatch each optimizer's update in a step of its own "
+                "(its own dispatch_by_kind, its state argument holding that optimizer's state "
+                "only)."
             )
         # Some steps were not taken: hints refused, or non-finite steps skipped.
         skipped = max(len(window) - taken - refused, 0)
@@ -772,7 +775,7 @@ class KindDispatcher:
         if refused > expected and not skipped:
             sent = ", ".join(sorted({repr(p.kind.name) for p in window}))
             raise ValueError(
-                f"of steps {window[0].step} to {window[-1].step}, run with the programs for "
+                f"Of steps {window[0].step} to {window[-1].step}, run with the programs for "
                 f"the {sent} kinds (from the schedule given to dispatch_by_kind), the optimizer "
                 f"state refused {refused}: its counters expected other kinds ({asked} at the "
                 "last refusal). A refused step is not applied. The schedule is not the "
