@@ -130,24 +130,30 @@ def test_unreplicate_reads_this_processs_rows(runs):
     assert all("is not on a device of this process" in r for r in refusals), refusals
 
 
+def _launched(module: str, devices: int, *args: str) -> subprocess.CompletedProcess:
+    """``module`` (from tests/) on 2 processes of ``devices`` devices through the launcher;
+    asserts that it succeeded."""
+    launch = ["optax_zero_one.integration.launch", "--processes", "2"]
+    launch += ["--devices-per-process", str(devices), "--timeout", "200", "--"]
+    out = subprocess.run(
+        [sys.executable, "-m", *launch, module, *args],
+        cwd=TESTS,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=260,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
 def test_reset_compression_moves_a_state_that_spans_processes():
     """``reset_compression`` read its arguments with ``np.asarray``, which refuses an array that
     spans other processes' devices: the documented way to move a checkpoint to another worker
     count crashed in every multi-process job (a trial). The job moves a 4-worker state placed
     over both processes' devices to its 2 workers and checks its rows against the same reset
     done on host copies (``support/jobs/reset_worker.py``)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    launch = ["optax_zero_one.integration.launch", "--processes", "2"]
-    launch += ["--devices-per-process", "1", "--timeout", "200", "--"]
-    out = subprocess.run(
-        [sys.executable, "-m", *launch, "support.jobs.reset_worker"],
-        cwd=TESTS,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=260,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    out = _launched("support.jobs.reset_worker", 1)
     assert sorted(
         line.split("reset ok: ")[1][:9] for line in out.stdout.splitlines() if "reset ok" in line
     ) == ["process 0", "process 1"], out.stdout[-2000:]
@@ -196,18 +202,6 @@ def test_runs_local_to_each_process_are_not_compared_across_processes(alone):
     live on one process's devices waits for no other process, so it is not compared (a review:
     a sweep with a schedule per process was stopped as 'the schedule differs', and a dispatcher
     on process 0 alone waited in the gather for a process that never came)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    launch = ["optax_zero_one.integration.launch", "--processes", "2"]
-    launch += ["--devices-per-process", "2", "--timeout", "200", "--"]
-    out = subprocess.run(
-        [sys.executable, "-m", *launch, "support.jobs.local_dispatch_worker"]
-        + (["--alone"] if alone else []),
-        cwd=TESTS,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=260,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    out = _launched("support.jobs.local_dispatch_worker", 2, *(["--alone"] if alone else []))
     assert "process 0 trained" in out.stdout, out.stdout[-3000:]
     assert ("process 1 sits out" if alone else "process 1 trained") in out.stdout
