@@ -148,7 +148,7 @@ def main(argv=None):
         return jax.jit(one_kind, donate_argnums=(0, 1))
 
     step_schedule = ozo.zero_one_schedule(**schedule)  # every step's kind, known on the host
-    # params_index: the params come first, compared once across workers after a sync
+    # params_index: the params come first, compared across workers after the first syncs
     train_step = ozo.dispatch_by_kind(compile_kind, step_schedule, params_index=0)
 
     def synchronized_model(params, opt_state):

@@ -130,7 +130,7 @@ def main(argv=None):
         return params, opt_state, loss[0], spread(params), spread(synced), synced
 
     # one program per step kind (compiled at its first use), each step's chosen on the host;
-    # params_index: the params come first, compared once across workers after a sync
+    # params_index: the params come first, compared across workers after the first syncs
     step_schedule = ozo.zero_one_schedule(**schedule)
     train_step = ozo.dispatch_by_kind(
         lambda kind: jax.jit(functools.partial(all_workers_step, step_kind=kind)),

@@ -194,14 +194,3 @@ def test_the_host_all_gather_works_with_unequal_devices_per_process():
     for pid, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, output[-4000:]
         assert f"gathered {pid} [[0, 7], [1, 7]]" in output, output[-4000:]
-
-
-@pytest.mark.parametrize("alone", [False, True], ids=["sweep", "one process dispatches"])
-def test_runs_local_to_each_process_are_not_compared_across_processes(alone):
-    """The dispatcher's cross-process checks gather from every process; a run whose arrays all
-    live on one process's devices waits for no other process, so it is not compared (a review:
-    a sweep with a schedule per process was stopped as 'the schedule differs', and a dispatcher
-    on process 0 alone waited in the gather for a process that never came)."""
-    out = _launched("support.jobs.local_dispatch_worker", 2, *(["--alone"] if alone else []))
-    assert "process 0 trained" in out.stdout, out.stdout[-3000:]
-    assert ("process 1 sits out" if alone else "process 1 trained") in out.stdout

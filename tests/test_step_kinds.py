@@ -341,6 +341,47 @@ def test_diloco_with_an_outer_nesterov_step_passes_the_params_check():
     assert run._params_checks == 3
 
 
+@pytest.mark.parametrize("order", ["(g, s, p) -> (p, s)", "(p, s) -> (loss, s, p)"])
+def test_the_params_check_finds_the_params_among_the_arguments(order):
+    """``params_index`` is the params' place among the results. The check read the params
+    before a sync at that place among the arguments (a review): with gradients there it took
+    their peaks as the bound and let ``optax.scale`` after the optimizer through, and with
+    fewer arguments it raised an IndexError mid-run. It now reads the argument holding the
+    last call's returned params."""
+    pol = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+    tx = optax.chain(ozo.zero_one_adam(0.05, axis_name=AXIS, **pol), optax.scale(0.5))
+
+    def update(p, s, g, kind):
+        u, s = tx.update(g, s, p, step_kind=kind)
+        return optax.apply_updates(p, u), s
+
+    def own_grads(p, s, kind):  # each worker's own gradients, 1e7 times the params' scale
+        i = jax.lax.axis_index(AXIS).astype(jnp.float32)
+        p2, s2 = update(p, s, jax.tree.map(lambda x: 1e7 * jnp.sin(3 * x + i), p), kind)
+        return jnp.sum(p2["b"]), s2, p2
+
+    if order.startswith("(g"):
+        program = lambda kind: lambda g, s, p: update(p, s, g, kind)  # noqa: E731
+        index = 0
+    else:
+        program = lambda kind: lambda p, s: own_grads(p, s, kind)  # noqa: E731
+        index = 2
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(program(kind), axis_name=AXIS)),
+        ozo.zero_one_schedule(8, 2, 2, 4),
+        params_index=index,
+    )
+    params = params0()
+    state = mapped(tx.init, "vmap", N)(params)
+    with pytest.raises(ValueError, match=r"params differ after the sync of step 12: leaf "):
+        for k in range(1, 17):
+            if index == 0:
+                params, state = run(jax.tree.map(lambda x: 1e7 * x, grads_at(k)), state, params)
+            else:
+                _, state, params = run(params, state)
+        run.settle()
+
+
 def test_dispatch_of_a_vmapped_ensemble_of_one_worker_optimizers_is_not_stopped():
     """``jax.vmap`` over independent models (a sweep), each optimizer built for one worker:
     the leading axis is not a worker axis, and the models' anchors differ by design."""

@@ -339,6 +339,7 @@ class KindDispatcher:
         self._params_checks = 0  # syncs after which the workers' params were compared
         self._after_local = False  # a local step ran since then
         self._agreed = False  # the processes compared (schedule, step, arguments) since then
+        self._returned: Any = None  # the first leaf of the params the last call returned
 
     def next_kind(self, state: Any) -> StepKind:
         """The kind the next call with ``state`` will run (reads the counter if ``state`` is
@@ -505,7 +506,7 @@ class KindDispatcher:
         if kwargs:
             called = "step_kind=" if "step_kind" in kwargs else f"{', '.join(kwargs)}="
             raise TypeError(
-                f"the dispatcher takes the step's arguments by position, got {called}. "
+                f"The dispatcher takes the step's arguments by position, got {called}. "
                 + (
                     "compile_kind seems to call the dispatcher itself: was the dispatcher "
                     "bound to the name of the step function that compile_kind reads "
@@ -535,8 +536,13 @@ class KindDispatcher:
             and self._after_local
         )
         # the params before the sync, read before the step donates them: how far apart the
-        # workers' rounding may leave them (check_params_agree)
-        before = _peaks(args[self._params_index], self._last_counter) if checks_params else None
+        # workers' rounding may leave them (check_params_agree). They are the argument that
+        # holds the last call's returned params (params_index is their place among the
+        # results; among the arguments it may differ); none found: the plain bound
+        given = (
+            next((a for a in args if _first(a) is self._returned), None) if checks_params else None
+        )
+        before = _peaks(given, self._last_counter) if given is not None else None
         out = self._raw[kind.name](*args)
         self._ran.add(kind.name)
         counts = None
@@ -575,6 +581,7 @@ class KindDispatcher:
                     self._explain(out[self._state_index], counter, refused, kind, apart)
                     raise
             self._after_local = self._after_local or not (kind.phase_a or kind.sync)
+            self._returned = _first(out[self._params_index])
         self._pending.append(_Pending(self.step, kind, counts, checked))
         self._last_counter, self._last_refused = counter, refused
         self.step += 1
@@ -704,7 +711,7 @@ class KindDispatcher:
         if counter is None:
             _graph.check_not_nnx_state(state, "The step dispatched by kind")
             raise ValueError(
-                f"argument {self._state_index} of the step holds no optimizer state of "
+                f"Argument {self._state_index} of the step holds no optimizer state of "
                 "optax_zero_one (no step counter). A schedule names the step kinds of this "
                 "library's optimizers (zero_one_adam, onebit_adam, diloco, local_step_sync), "
                 "whose states count their steps: with another optimizer, drop the schedule; "
@@ -916,7 +923,7 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     shared values differ between processes (compared where both hold the same part of it:
     model shards hold different values), else ``None``. One small all-gather of a digest per
     leaf and part, on every process (a host-side collective, once per run)."""
-    if jax.process_count() == 1 or not entries or _local(e[1] for e in entries):
+    if jax.process_count() == 1 or not entries:
         return None
     keys = [
         (i, where)
@@ -941,24 +948,24 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     return None
 
 
-def _local(leaves: Any) -> bool:
-    """Whether every array among ``leaves`` lives on this process's devices alone: a run that
-    does not span processes (each process training a model of its own, a sweep), whose
-    programs wait for no other process, and which another process need not be checking."""
-    return all(getattr(x, "is_fully_addressable", True) for x in leaves)
+def _first(tree: Any) -> Any:
+    """The first leaf of ``tree`` (``None`` if it has none)."""
+    leaves = jax.tree.leaves(tree)
+    return leaves[0] if leaves else None
 
 
 def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state: int) -> None:
     """With several processes: raises ``ValueError`` on every process if they do not run the
     same schedule, at the same step, on arguments of the same structure, shapes and dtypes
-    (one small host all-gather at a dispatcher's first call and after a restore; skipped where
-    every argument lives on this process alone).
+    (one small host all-gather at a dispatcher's first call and after a restore: every process
+    must call the dispatcher, also where its arrays live on its own devices alone, as
+    ``jax.pmap``'s do while its collectives span the processes).
 
     Each process dispatches on its own: a process whose schedule, optimizer or batch differs
     compiles other programs, whose collectives wait for partners that never come (trials: a
     ``var_freeze_step`` or ``collective`` that differed by process hung the job without a
     word; a batch of another size per process trained silently on other rows)."""
-    if jax.process_count() == 1 or _local(jax.tree.leaves(args)):
+    if jax.process_count() == 1:
         return
     described = repr(schedule)
     parts = [("the schedule", "" if " at 0x" in described else described)]
@@ -1096,11 +1103,12 @@ def dispatch_by_kind(
         the steps dispatched before the host learns of it whose kind then differs are not
         applied (``lost``: a few at most, around a change of kind).
       params_index: the position of the params among the step's results, if it returns them
-        in the worker layout (e.g. ``0``). Then the workers' params are compared once, after
-        the first sync that follows a local step (a sync lands them all on the same point):
-        a transform chained after the optimizer that changes its update, or
-        ``optax.apply_if_finite`` around it, raises there instead of training the workers
-        apart (``docs/usage.md``).
+        in the worker layout (e.g. ``0``). Then the workers' params are compared after the
+        first three syncs that follow a local step (a sync lands them all on the same point;
+        the params passed to each such sync, the argument holding the last call's returned
+        params, are read too, for the rounding bound): a transform chained after the
+        optimizer that changes its update, or ``optax.apply_if_finite`` around it, raises
+        there instead of training the workers apart (``docs/usage.md``).
 
     Returns:
       A :class:`KindDispatcher`, called like the step.

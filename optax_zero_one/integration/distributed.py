@@ -421,12 +421,19 @@ def worker_body(fn: Callable[..., Any], batched: bool, axes: Any, owner: str) ->
                     # conditional then fails with this error (JAX 0.10)
                     if isinstance(err, ValueError) and not _graph.is_unbatchable_switch(err):
                         raise
+                    why = (
+                        "the optimizer's update got no step_kind, so it decides its step kind "
+                        "in the graph"
+                        if isinstance(err, _graph.DecidedInGraph)
+                        else "a conditional in it could not be batched (the optimizer's update "
+                        "without step_kind, from a jitted function's cache, or a lax.cond of "
+                        "your own)"
+                    )
                     warnings.warn(
-                        f"{owner}: the optimizer's update got no step_kind, so it decides its "
-                        "step kind in the graph, and runs on each worker's row instead of "
-                        "under vmap (batched=False; XLA:CPU then copies the params and state "
-                        "each step, docs/jit.md). With dp.jit(step, schedule=...), forward "
-                        "the step_kind your step receives: tx.update(grads, opt_state, params, "
+                        f"{owner}: {why}; the step runs on each worker's row instead of under "
+                        "vmap (batched=False; XLA:CPU then copies the params and state each "
+                        "step, docs/jit.md). With dp.jit(step, schedule=...), forward the "
+                        "step_kind your step receives: tx.update(grads, opt_state, params, "
                         "step_kind=step_kind).",
                         stacklevel=1,
                     )
