@@ -943,7 +943,7 @@ def test_arrays_a_donating_step_consumed_raise_instead_of_crashing(schedule):
 def test_the_consumed_check_finds_an_array_in_any_tree():
     """One leaf is looked at, found without a flatten (host time each step), through dicts,
     tuples and other nodes (Flax NNX's State of Variables)."""
-    from optax_zero_one.integration.data_parallel import _first_leaf
+    from optax_zero_one.core._graph import first_leaf as _first_leaf
 
     class MLP(nnx.Module):
         def __init__(self, rngs):

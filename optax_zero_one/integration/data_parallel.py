@@ -58,33 +58,13 @@ def _spec_axes(spec: P) -> set[str]:
     return axes
 
 
-def _first_leaf(tree: Any) -> Any:
-    """An array of ``tree`` found without flattening it (host time each step: ~1 us through
-    dicts and tuples, ~6 us through Flax NNX's State, where a flatten takes ~80 us at 100
-    leaves), or None if its first leaf is not an array."""
-    while not isinstance(tree, jax.Array):
-        if isinstance(tree, dict | list | tuple):
-            if not tree:
-                return None
-            tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-            continue
-        try:  # another pytree node (a NamedTuple is a tuple above)
-            children, _ = jax.tree_util.flatten_one_level(tree)
-        except ValueError:  # a leaf that is not an array
-            return None
-        if not children:
-            return None
-        tree = children[0]
-    return tree
-
-
 def _check_not_donated(params: Any, opt_state: Any) -> None:
     """Raises ``RuntimeError`` where the step is given params or state an earlier call of a
     donating step consumed: launched with them, XLA:CPU crashes the process (a segmentation
     fault, jax 0.10) instead of raising. A donated tree is consumed whole, so one leaf of each
     tells."""
     for name, tree in (("params", params), ("opt_state", opt_state)):
-        leaf = _first_leaf(tree)
+        leaf = _graph.first_leaf(tree)
         if leaf is not None and leaf.is_deleted():
             raise dispatch.consumed(name, "dp.jit(..., donate=False)")
 

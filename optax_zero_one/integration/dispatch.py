@@ -539,9 +539,9 @@ class KindDispatcher:
         # workers' rounding may leave them (check_params_agree). They are the argument that
         # holds the last call's returned params (params_index is their place among the
         # results; among the arguments it may differ); none found: the plain bound
-        given = (
-            next((a for a in args if _first(a) is self._returned), None) if checks_params else None
-        )
+        given = None
+        if checks_params and self._returned is not None:
+            given = next((a for a in args if _graph.first_leaf(a) is self._returned), None)
         before = _peaks(given, self._last_counter) if given is not None else None
         out = self._raw[kind.name](*args)
         self._ran.add(kind.name)
@@ -581,7 +581,11 @@ class KindDispatcher:
                     self._explain(out[self._state_index], counter, refused, kind, apart)
                     raise
             self._after_local = self._after_local or not (kind.phase_a or kind.sync)
-            self._returned = _first(out[self._params_index])
+            # what the next call passes, if it is a checked sync (none before local steps:
+            # phase A's steps pay nothing for it)
+            self._returned = (
+                _graph.first_leaf(out[self._params_index]) if self._after_local else None
+            )
         self._pending.append(_Pending(self.step, kind, counts, checked))
         self._last_counter, self._last_refused = counter, refused
         self.step += 1
@@ -918,6 +922,12 @@ def _where(index: tuple) -> tuple:
     return tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index[1:])
 
 
+def _digest(data: bytes) -> int:
+    """A 32-bit digest of ``data``, as a signed int (what :func:`distributed.host_allgather`
+    gathers)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little", signed=True)
+
+
 def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     """With several processes: ``(name, process, other process)`` of the first leaf whose
     shared values differ between processes (compared where both hold the same part of it:
@@ -936,8 +946,7 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     for k, (i, where) in enumerate(keys):
         found = entries[i][2].get(where)
         if found:
-            digest = hashlib.blake2b(found[0][1].tobytes(), digest_size=4).digest()
-            mine[:, k] = int.from_bytes(digest, "little", signed=True), 1
+            mine[:, k] = _digest(found[0][1].tobytes()), 1
     every = distributed.host_allgather(mine)  # (processes, 2, keys)
     for k, (i, _) in enumerate(keys):
         held = np.flatnonzero(every[:, 1, k])
@@ -946,12 +955,6 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
         if differs.size:
             return entries[i][0], int(held[0]), int(differs[0])
     return None
-
-
-def _first(tree: Any) -> Any:
-    """The first leaf of ``tree`` (``None`` if it has none)."""
-    leaves = jax.tree.leaves(tree)
-    return leaves[0] if leaves else None
 
 
 def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state: int) -> None:
@@ -977,12 +980,7 @@ def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state
         )
         what = "the optimizer state" if i == state else f"argument {i} of the step"
         parts.append((what, shapes))
-    digests = [step] + [
-        int.from_bytes(
-            hashlib.blake2b(text.encode(), digest_size=4).digest(), "little", signed=True
-        )
-        for _, text in parts
-    ]
+    digests = [step] + [_digest(text.encode()) for _, text in parts]
     every = distributed.host_allgather(np.asarray(digests, np.int32))
     differs = np.flatnonzero((every != every[:1]).any(axis=1))
     if not differs.size:

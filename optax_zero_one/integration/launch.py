@@ -284,7 +284,7 @@ class _Job:
         if not os.path.exists(os.path.join(failure_dir, str(first))):
             self._name_finished(failure_dir)  # it did not fail in its module: it may have waited
         self._say_tail(first)
-        return code if code > 0 else 128 - code
+        return _exit_status(code)
 
     def _name_finished(self, failure_dir: str) -> None:
         """Where a process ended its module cleanly while others ran on, says so: the others
@@ -329,11 +329,16 @@ def _failed_at(directory: str, process: int, exited: float, status: int = 1) -> 
 KILLED_LEAD_S = 1.0  # how much earlier than its recorded exit a SIGKILLed process counts
 
 
+def _exit_status(code: int) -> int:
+    """A process's status as a shell gives it: ``128 + s`` for one ended by signal ``s``."""
+    return code if code > 0 else 128 - code
+
+
 def _status(code: int) -> str:
     """How the report names an exit status (a negative one is the signal that ended it)."""
     if code < 0:
         with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name} (exit status {128 - code})"
+            return f"killed by {signal.Signals(-code).name} (exit status {_exit_status(code)})"
     return f"with status {code}"
 
 
