@@ -1198,3 +1198,33 @@ def test_dispatch_stops_before_a_step_past_the_int32_counters():
     assert ozo.step_count(state) == 2**31 - 1
     with pytest.raises(ValueError, match=r"step 2147483648 is beyond the optimizers' int32"):
         run(params, state, grads_at(2))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_saturated_counter_stays_in_phase_b_in_the_graph(case):
+    """Past 2**31 - 1 updates the int32 step counter saturates; the in-graph decision read the
+    next step as ``count + 1``, which wrapped to -2**31, so every later update ran as a phase-A
+    step and moved the frozen variance (a trial). Saturated, it stays a phase-B step."""
+    make, _ = CASES[case]
+    tx = make()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    program = update_program(tx, None)
+    for k in range(1, 13):  # into phase B
+        _, state = program(grads_at(k), state, params)
+    late = lambda path, x: (  # noqa: E731
+        jnp.full_like(x, 2**31 - 2) if jax.tree_util.keystr(path).endswith(".count") else x
+    )
+    state = jax.tree_util.tree_map_with_path(late, state)
+    frozen = lambda s: [  # noqa: E731
+        np.asarray(x)
+        for path, x in jax.tree_util.tree_flatten_with_path(s)[0]
+        if ".nu" in jax.tree_util.keystr(path)
+    ]
+    nu = frozen(state)
+    assert nu
+    for k in range(3):  # steps 2**31 - 1 and two with the counter saturated
+        updates, state = program(grads_at(20 + k), state, params)
+        assert all(np.all(np.isfinite(np.asarray(u))) for u in jax.tree.leaves(updates))
+        for before, after in zip(nu, frozen(state), strict=True):
+            np.testing.assert_array_equal(before, after)

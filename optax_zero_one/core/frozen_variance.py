@@ -164,7 +164,7 @@ def scale_by_frozen_variance_adam(
         return UPDATE_V if kind.variance else KEEP_V
 
     def expected(state: FrozenVarianceAdamState) -> jax.Array:
-        k = state.count + 1
+        k = optax.safe_increment(state.count)  # saturates, as the count does
         phase_a = k <= policy.freeze_step
         variance = jnp.logical_and(phase_a, policy.is_update_step(state.variance_policy, k))
         return _graph.index_of([variance, phase_a, True])
@@ -189,7 +189,7 @@ def scale_by_frozen_variance_adam(
         params: Any,
         extra_args: dict,
     ) -> tuple:
-        k = state.count + 1
+        k = optax.safe_increment(state.count)  # saturates, as the count does
         frozen = branch == FROZEN
         averaged, drop = state.momentum_mean, jnp.zeros([], bool)
         if not frozen:

@@ -400,7 +400,7 @@ def local_step_sync_over(
         return PASS if kind.phase_a else (SYNC if kind.sync else LOCAL)
 
     def expected(state: LocalStepSyncState) -> jax.Array:
-        k = state.count + 1
+        k = optax.safe_increment(state.count)  # saturates, as the count does
         sync = local_step_policy.is_sync_step(state.local_step_policy, k)
         return _graph.index_of([k <= start_step, jnp.logical_not(sync), True])  # PASS, LOCAL, SYNC
 
@@ -418,7 +418,7 @@ def local_step_sync_over(
     def step(
         branch: int, admit: Any, updates: Any, state: LocalStepSyncState, params: Any, extra: dict
     ) -> Any:
-        k = state.count + 1
+        k = optax.safe_increment(state.count)  # saturates, as the count does
         skipped = state._replace(skipped_updates=state.skipped_updates + 1)
         if branch == PASS:  # the inner transform communicates: check what it returned
             out, inner_state = inner.update(updates, state.inner_state, params, **extra)

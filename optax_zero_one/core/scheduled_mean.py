@@ -146,7 +146,7 @@ def scheduled_mean_over(
         return COMPRESS if compressed_steps else IDLE
 
     def expected(state: ScheduledMeanState) -> jax.Array:
-        k = state.count + 1
+        k = optax.safe_increment(state.count)  # saturates, as the count does
         phase_a = k <= freeze
         variance = jnp.logical_and(
             phase_a, variance_policy.is_update_step(state.variance_policy, k)
@@ -166,7 +166,7 @@ def scheduled_mean_over(
     def step(branch: int, ok: Any, operand: tuple, extra_args: dict) -> tuple:
         del extra_args  # nothing inside reads them
         updates, state = operand
-        k = state.count + 1
+        k = optax.safe_increment(state.count)  # saturates, as the count does
         errors = state.errors
         if branch == FLOAT:
             mean = collective_lib.float_mean(updates, axes)
