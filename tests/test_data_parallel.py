@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
 import warnings
 import weakref
 
@@ -1089,3 +1090,112 @@ def test_layout_and_argument_checks_of_a_review():
     uneven = ozo.data_parallel(mesh, {**SPECS, "b": P("model")})
     with pytest.raises(ValueError, match=r"\['b'\] of shape \(3,\) .*dimension 0 \(3\) does"):
         uneven.to_workers({**host_params(), "b": np.zeros(3, np.float32)})
+
+
+@pytest.mark.parametrize("model", [1, 2])
+def test_a_plain_optimizer_without_a_mean_warns_that_the_workers_train_apart(model):
+    """``optax.adamw`` inside ``dp.optimizer`` with no ``pmean`` of the gradients ran silently,
+    each worker training its own copy (a trial): without a schedule nothing compared the
+    workers. ``dp.jit`` now compares the params its first calls return, and warns once; the same
+    step with the mean warns nothing, nor does an evaluation step."""
+    mesh = mesh_of(model)
+    spec = (lambda k: SPECS[k]) if model > 1 else (lambda k: P())
+    params = {k: jax.device_put(x, NamedSharding(mesh, spec(k))) for k, x in host_params().items()}
+    dp = ozo.data_parallel(mesh, params)
+    tx = dp.optimizer(optax.adamw(1e-2))
+
+    def run(average):
+        def step(p, s, x):
+            loss, g = jax.value_and_grad(loss_fn)(p, x)
+            if average:
+                g = jax.lax.pmean(g, "data")
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        p = dp.to_workers(params)
+        s = dp.init(tx, p)
+        train = dp.jit(step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x in batches(4):
+                p, s, _ = train(p, s, x)
+        return [w for w in caught if "train apart" in str(w.message)]
+
+    found = run(average=False)
+    assert len(found) == 1, [str(w.message) for w in found]
+    message = str(found[0].message)
+    assert "jax.lax.pmean(grads, 'data')" in message and "dp.to_workers" in message
+    assert not run(average=True)
+
+    evaluate = dp.jit(lambda p, s, x: (p, s, loss_fn(p, x)))
+    p = dp.to_workers(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate(p, dp.init(tx, p), next(iter(batches(1))))
+
+
+def test_two_threads_first_calls_compile_the_program_once(monkeypatch):
+    """Two threads making a step's first call at once both compiled its program (a review);
+    the second now waits for the first's."""
+    mesh = mesh_of(1)
+    params = host_params()
+    dp = ozo.data_parallel(mesh, params)
+    tx = dp.optimizer(make_tx())
+
+    def step(p, s, x):
+        g = jax.grad(loss_fn)(p, x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, None
+
+    compiles = []
+    real = jax.stages.Lowered.compile
+
+    def counted(self, *a, **k):
+        compiles.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    p = dp.to_workers(params)
+    s = dp.init(tx, p)
+    x = next(iter(batches(1)))
+    train = dp.jit(step, donate=False)
+    start = threading.Barrier(2)
+    results = []
+
+    def first_call():
+        start.wait()
+        results.append(train(p, s, x))
+
+    threads = [threading.Thread(target=first_call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and len(compiles) == 1
+    assert_same = lambda a, b: [  # noqa: E731
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    ]
+    assert_same(results[0][0], results[1][0])
+
+
+def test_a_raw_key_split_evenly_over_two_workers_is_named():
+    """A raw ``jax.random.PRNGKey`` in the batch is ``(2,)`` ``uint32``: over 2 workers it
+    splits evenly, one word each, and JAX then fails on a ``(1,)`` key without naming the fix
+    (a review). The first call warns, naming it."""
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=auto, devices=jax.devices()[:2])
+    params = {"w": np.ones((3,), np.float32)}
+    dp = ozo.data_parallel(mesh, params)
+    tx = dp.optimizer(optax.sgd(0.1))
+
+    def step(p, s, batch):
+        g = jax.lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * batch["x"]))(p), "data")
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, None
+
+    p = dp.to_workers(params)
+    train = dp.jit(step)
+    batch = {"x": np.ones((2, 3), np.float32), "key": jax.random.PRNGKey(0)}
+    with pytest.warns(UserWarning, match=r"leaf \['key'\] has shape \(2,\).*PRNGKey.*fold_in"):
+        train(p, dp.init(tx, p), batch)

@@ -27,7 +27,9 @@ import dataclasses
 import functools
 import inspect
 import math
+import threading
 import typing
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +71,34 @@ def _check_not_donated(params: Any, opt_state: Any) -> None:
             raise dispatch.consumed(name, "dp.jit(..., donate=False)")
 
 
+_KEY_FIX = (
+    "Broadcast it to one row per worker ({n} rows) and fold in the worker's index inside the "
+    "step (jax.random.fold_in(key[0], jax.lax.axis_index(data_axis)))."
+)
+
+
+def _raw_key(x: Any) -> bool:
+    """Whether ``x`` looks like a raw ``jax.random.PRNGKey``: ``(2,)`` ``uint32``."""
+    return np.shape(x) == (2,) and np.dtype(getattr(x, "dtype", None)) == np.uint32
+
+
+def _warn_if_raw_key(batch: Any) -> None:
+    """Warns of a leaf of ``batch`` that looks like a raw key: with 2 workers it splits evenly,
+    one word each, and JAX then fails on a ``(1,)`` key without naming the fix (a review)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if _raw_key(x):
+            warnings.warn(
+                f"batch leaf {_checks.leaf_name(path)} has shape (2,) and dtype uint32, like a "
+                "raw jax.random.PRNGKey: as a batch leaf it is split over the 2 data workers, "
+                f"one word each. A random key? {_KEY_FIX.format(n=2)}",
+                stacklevel=4,
+            )
+
+
+APART_CHECKS = 2  # first calls of a dp.jit step without a schedule whose params are compared
+_MAKING = threading.Lock()
+
+
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
     """Data-parallel training with a compressing optimizer on one axis of a mesh.
@@ -104,9 +134,10 @@ class DataParallel:
             hash(key)
         except TypeError:  # e.g. specs holding something unhashable: not kept
             return make(dataclasses.replace(self))
-        if key not in self._programs:
-            self._programs[key] = make(dataclasses.replace(self))
-        return self._programs[key]
+        with _MAKING:  # two threads asking at once get one program (compiled once)
+            if key not in self._programs:
+                self._programs[key] = make(dataclasses.replace(self))
+            return self._programs[key]
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -520,6 +551,7 @@ class DataParallel:
             # costs ~0.1-0.2 ms of host time per step at 100 leaves, as long as a small
             # model's whole optimizer step on a GPU.
             first: list[Any] = [None]
+            compiling = threading.Lock()  # two threads' first calls compile once
 
             def program(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
                 _check_not_donated(params, opt_state)
@@ -531,8 +563,10 @@ class DataParallel:
                 # a dispatcher checks the leaves itself, at its first call and after a restore
                 check(params, opt_state, batch, leaves=kind is None)
                 if first[0] is None:
-                    keep(params, opt_state)
-                    first[0] = mapped[0].lower(params, opt_state, batch).compile()
+                    with compiling:
+                        if first[0] is None:
+                            keep(params, opt_state)
+                            first[0] = mapped[0].lower(params, opt_state, batch).compile()
                     return first[0](params, opt_state, batch)
                 return mapped[0](params, opt_state, batch)  # jit compiles for the others
 
@@ -549,7 +583,7 @@ class DataParallel:
             return program
 
         if schedule is None:
-            return compile_kind(None)
+            return self._compared(compile_kind(None))
         _check_takes_step_kind(step)
         return dispatch.KindDispatcher(
             compile_kind,
@@ -560,10 +594,53 @@ class DataParallel:
             "batch)",
         )
 
+    def _compared(self, program: Callable[..., Any]) -> Callable[..., Any]:
+        """``program`` (a step without a schedule), warning once if the params its first
+        :data:`APART_CHECKS` calls return differ between the workers (a read back each).
+
+        With no schedule nothing else compares the workers: ``optax.adamw`` in
+        ``dp.optimizer`` with no mean of the gradients trained each worker's copy on its own
+        share, silently (a trial). Not read: a state that keeps workers apart between syncs by
+        design (a ``local_step_sync``'s)."""
+        left = [APART_CHECKS]
+        counter = np.zeros(self.num_workers)  # the leading axis of the worker layout
+        axis = self.data_axis
+
+        def compared(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+            if not left[0]:
+                return program(params, opt_state, batch)
+            out = program(params, opt_state, batch)  # (params, opt_state, aux): checked
+            left[0] -= 1
+            if _graph.shared_values(out[1]):
+                left[0] = 0  # apart between syncs by design; a dispatcher checks the syncs
+                return out
+            apart = dispatch.params_apart(out[0], counter)
+            if apart is not None:
+                left[0] = 0
+                path, worker, first, gap = apart
+                warnings.warn(
+                    f"dp.jit: the workers train apart: after this step leaf "
+                    f"{_checks.leaf_name(path)} of worker {worker} is {gap:.3g} from worker "
+                    f"{first}'s. The step does not average over the data axis, so each worker "
+                    "trains its own copy on its share of the batch: average the gradients "
+                    f"before a plain optax optimizer (grads = jax.lax.pmean(grads, {axis!r})), "
+                    f"or use one that communicates (ozo.zero_one_adam(..., axis_name={axis!r}))"
+                    "; or the workers did not start from the same params (build them with "
+                    "dp.to_workers(params)). If they train apart on purpose (local steps "
+                    "you average yourself), ignore this warning.",
+                    stacklevel=2,
+                )
+            return out
+
+        compared.lower = program.lower  # type: ignore[attr-defined]
+        return compared
+
     def _check_batch(self, batch: Any) -> None:
         n = self.num_workers
         # per step: the leaves' shapes alone (~2 us); their paths only to name a bad one
         shapes = [getattr(x, "shape", None) or np.shape(x) for x in jax.tree.leaves(batch)]
+        if n == 2 and (2,) in shapes:
+            _warn_if_raw_key(batch)
         if all(s and s[0] % n == 0 for s in shapes):
             return
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -582,12 +659,7 @@ class DataParallel:
                     f"batch leaf {_checks.leaf_name(path)} has shape {np.shape(x)}: its leading "
                     f"axis must split into {n} equal parts, one per data worker. Make the "
                     f"global batch size a multiple of {n}."
-                    + (  # jax.random.PRNGKey: (2,) uint32 (a review)
-                        f" A random key? Broadcast it to one row per worker ({n} rows) and fold "
-                        "in the worker's index inside the step."
-                        if np.shape(x) == (2,) and np.dtype(getattr(x, "dtype", None)) == np.uint32
-                        else ""
-                    )
+                    + (f" A random key? {_KEY_FIX.format(n=n)}" if _raw_key(x) else "")
                 )
 
     # ------------------------------------------------------------------ evaluation
