@@ -1092,48 +1092,6 @@ def test_layout_and_argument_checks_of_a_review():
         uneven.to_workers({**host_params(), "b": np.zeros(3, np.float32)})
 
 
-@pytest.mark.parametrize("model", [1, 2])
-def test_a_plain_optimizer_without_a_mean_warns_that_the_workers_train_apart(model):
-    """``optax.adamw`` inside ``dp.optimizer`` with no ``pmean`` of the gradients ran silently,
-    each worker training its own copy (a trial): without a schedule nothing compared the
-    workers. ``dp.jit`` now compares the params its first calls return, and warns once; the same
-    step with the mean warns nothing, nor does an evaluation step."""
-    mesh = mesh_of(model)
-    spec = (lambda k: SPECS[k]) if model > 1 else (lambda k: P())
-    params = {k: jax.device_put(x, NamedSharding(mesh, spec(k))) for k, x in host_params().items()}
-    dp = ozo.data_parallel(mesh, params)
-    tx = dp.optimizer(optax.adamw(1e-2))
-
-    def run(average):
-        def step(p, s, x):
-            loss, g = jax.value_and_grad(loss_fn)(p, x)
-            if average:
-                g = jax.lax.pmean(g, "data")
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s, loss
-
-        p = dp.to_workers(params)
-        s = dp.init(tx, p)
-        train = dp.jit(step)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for x in batches(4):
-                p, s, _ = train(p, s, x)
-        return [w for w in caught if "train apart" in str(w.message)]
-
-    found = run(average=False)
-    assert len(found) == 1, [str(w.message) for w in found]
-    message = str(found[0].message)
-    assert "jax.lax.pmean(grads, 'data')" in message and "dp.to_workers" in message
-    assert not run(average=True)
-
-    evaluate = dp.jit(lambda p, s, x: (p, s, loss_fn(p, x)))
-    p = dp.to_workers(params)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        evaluate(p, dp.init(tx, p), next(iter(batches(1))))
-
-
 def test_two_threads_first_calls_compile_the_program_once(monkeypatch):
     """Two threads making a step's first call at once both compiled its program (a review);
     the second now waits for the first's."""
@@ -1178,6 +1136,24 @@ def test_two_threads_first_calls_compile_the_program_once(monkeypatch):
     ]
     assert_same(results[0][0], results[1][0])
 
+    # first calls of other shapes at once (a train and an eval batch): the second waited for
+    # the first's program, then ran it on its own shapes and failed (a review)
+    monkeypatch.undo()
+    train = dp.jit(step, donate=False)
+    start = threading.Barrier(2)
+    shaped = {}
+
+    def call(rows):
+        start.wait()
+        shaped[rows] = train(p, s, np.concatenate([x] * (rows // len(x))))
+
+    threads = [threading.Thread(target=call, args=(r * len(x),)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(shaped) == [len(x), 2 * len(x)]
+
 
 def test_a_raw_key_split_evenly_over_two_workers_is_named():
     """A raw ``jax.random.PRNGKey`` in the batch is ``(2,)`` ``uint32``: over 2 workers it
@@ -1198,4 +1174,8 @@ def test_a_raw_key_split_evenly_over_two_workers_is_named():
     train = dp.jit(step)
     batch = {"x": np.ones((2, 3), np.float32), "key": jax.random.PRNGKey(0)}
     with pytest.warns(UserWarning, match=r"leaf \['key'\] has shape \(2,\).*PRNGKey.*fold_in"):
-        train(p, dp.init(tx, p), batch)
+        p, s, _ = train(p, dp.init(tx, p), batch)
+    # typed keys, one per worker (the fix), pass: NumPy cannot read a key dtype (a review)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(p, s, {**batch, "key": jax.random.split(jax.random.key(0), 2)})

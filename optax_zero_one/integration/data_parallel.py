@@ -78,8 +78,12 @@ _KEY_FIX = (
 
 
 def _raw_key(x: Any) -> bool:
-    """Whether ``x`` looks like a raw ``jax.random.PRNGKey``: ``(2,)`` ``uint32``."""
-    return np.shape(x) == (2,) and np.dtype(getattr(x, "dtype", None)) == np.uint32
+    """Whether ``x`` looks like a raw ``jax.random.PRNGKey``: ``(2,)`` ``uint32`` (a typed key,
+    ``jax.random.key``, has a key dtype, which NumPy cannot read: a review)."""
+    dtype = getattr(x, "dtype", None)
+    if np.shape(x) != (2,) or dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return False
+    return dtype == jnp.uint32
 
 
 def _warn_if_raw_key(batch: Any) -> None:
@@ -91,11 +95,10 @@ def _warn_if_raw_key(batch: Any) -> None:
                 f"batch leaf {_checks.leaf_name(path)} has shape (2,) and dtype uint32, like a "
                 "raw jax.random.PRNGKey: as a batch leaf it is split over the 2 data workers, "
                 f"one word each. A random key? {_KEY_FIX.format(n=2)}",
-                stacklevel=4,
+                stacklevel=5,
             )
 
 
-APART_CHECKS = 2  # first calls of a dp.jit step without a schedule whose params are compared
 _MAKING = threading.Lock()
 
 
@@ -134,7 +137,7 @@ class DataParallel:
             hash(key)
         except TypeError:  # e.g. specs holding something unhashable: not kept
             return make(dataclasses.replace(self))
-        with _MAKING:  # two threads asking at once get one program (compiled once)
+        with _MAKING:  # two threads asking at once get one program (one jax.jit to compile)
             if key not in self._programs:
                 self._programs[key] = make(dataclasses.replace(self))
             return self._programs[key]
@@ -562,13 +565,18 @@ class DataParallel:
                         pass  # raised before running: other arguments, checked here
                 # a dispatcher checks the leaves itself, at its first call and after a restore
                 check(params, opt_state, batch, leaves=kind is None)
-                if first[0] is None:
-                    with compiling:
-                        if first[0] is None:
-                            keep(params, opt_state)
-                            first[0] = mapped[0].lower(params, opt_state, batch).compile()
-                    return first[0](params, opt_state, batch)
-                return mapped[0](params, opt_state, batch)  # jit compiles for the others
+                with compiling:
+                    compiled_here = first[0] is None
+                    if compiled_here:
+                        keep(params, opt_state)
+                        first[0] = mapped[0].lower(params, opt_state, batch).compile()
+                if not compiled_here:  # another thread's first call compiled it
+                    try:
+                        return first[0](params, opt_state, batch)
+                    except (TypeError, ValueError):
+                        pass  # for other shapes
+                    return mapped[0](params, opt_state, batch)  # jit compiles for the others
+                return first[0](params, opt_state, batch)
 
             def lower(params: Any, opt_state: Any, batch: Any) -> Any:  # for precompile
                 if not any(
@@ -583,7 +591,7 @@ class DataParallel:
             return program
 
         if schedule is None:
-            return self._compared(compile_kind(None))
+            return compile_kind(None)
         _check_takes_step_kind(step)
         return dispatch.KindDispatcher(
             compile_kind,
@@ -593,47 +601,6 @@ class DataParallel:
             where_state="the step's second argument must be opt_state: step(params, opt_state, "
             "batch)",
         )
-
-    def _compared(self, program: Callable[..., Any]) -> Callable[..., Any]:
-        """``program`` (a step without a schedule), warning once if the params its first
-        :data:`APART_CHECKS` calls return differ between the workers (a read back each).
-
-        With no schedule nothing else compares the workers: ``optax.adamw`` in
-        ``dp.optimizer`` with no mean of the gradients trained each worker's copy on its own
-        share, silently (a trial). Not read: a state that keeps workers apart between syncs by
-        design (a ``local_step_sync``'s)."""
-        left = [APART_CHECKS]
-        counter = np.zeros(self.num_workers)  # the leading axis of the worker layout
-        axis = self.data_axis
-
-        def compared(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-            if not left[0]:
-                return program(params, opt_state, batch)
-            out = program(params, opt_state, batch)  # (params, opt_state, aux): checked
-            left[0] -= 1
-            if _graph.shared_values(out[1]):
-                left[0] = 0  # apart between syncs by design; a dispatcher checks the syncs
-                return out
-            apart = dispatch.params_apart(out[0], counter)
-            if apart is not None:
-                left[0] = 0
-                path, worker, first, gap = apart
-                warnings.warn(
-                    f"dp.jit: the workers train apart: after this step leaf "
-                    f"{_checks.leaf_name(path)} of worker {worker} is {gap:.3g} from worker "
-                    f"{first}'s. The step does not average over the data axis, so each worker "
-                    "trains its own copy on its share of the batch: average the gradients "
-                    f"before a plain optax optimizer (grads = jax.lax.pmean(grads, {axis!r})), "
-                    f"or use one that communicates (ozo.zero_one_adam(..., axis_name={axis!r}))"
-                    "; or the workers did not start from the same params (build them with "
-                    "dp.to_workers(params)). If they train apart on purpose (local steps "
-                    "you average yourself), ignore this warning.",
-                    stacklevel=2,
-                )
-            return out
-
-        compared.lower = program.lower  # type: ignore[attr-defined]
-        return compared
 
     def _check_batch(self, batch: Any) -> None:
         n = self.num_workers

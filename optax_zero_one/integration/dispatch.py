@@ -1031,14 +1031,16 @@ def _peaks(params: Any, counter: Any) -> dict[str, float]:
 
 
 @outside_user_mesh
-def params_apart(
-    params: Any, counter: Any, before: dict[str, float] | None = None
-) -> tuple[Any, int, int, float] | None:
-    """``(key path, worker, first worker, gap)`` of the first leaf of ``params`` whose sampled
-    elements differ between two workers by more than the rounding of ``x + (xbar - x)`` in
-    its dtype (a few ulps of the larger of ``x`` and ``xbar``; ``before``: the peaks of the
-    params before the step, :func:`_peaks`), else ``None``. ``counter``'s leading axis is the
-    workers'. A read back from the device."""
+def check_params_agree(
+    params: Any, counter: Any, step: int | None = None, before: dict[str, float] | None = None
+) -> None:
+    """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
+    the rounding of ``x + (xbar - x)`` in their dtype (a few ulps of the larger of ``x`` and
+    ``xbar``; ``before``: the peaks of the params before the sync, :func:`_peaks`): a sync
+    lands every worker on the synchronised point, unless something after the optimizer changed
+    its update or a wrapper skipped it on one worker. A dispatcher that knows where the params
+    are calls this after the first :data:`PARAMS_CHECKS` syncs that follow a local step (a
+    read back from the device each, and one of the params before the sync)."""
     for path, leaf in _worker_leaves(params, counter):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
@@ -1052,35 +1054,20 @@ def params_apart(
             for worker, row in found[1:]:
                 gap = float(np.max(np.abs(row.astype(np.float64) - first), initial=0.0))
                 if gap > ulps * scale:
-                    return path, worker, found[0][0], gap
-    return None
-
-
-def check_params_agree(
-    params: Any, counter: Any, step: int | None = None, before: dict[str, float] | None = None
-) -> None:
-    """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
-    rounding (:func:`params_apart`): a sync lands every worker on the synchronised point,
-    unless something after the optimizer changed its update or a wrapper skipped it on one
-    worker. A dispatcher that knows where the params are calls this after the first
-    :data:`PARAMS_CHECKS` syncs that follow a local step (a read back from the device each, and
-    one of the params before the sync)."""
-    apart = params_apart(params, counter, before)
-    if apart is None:
-        return
-    path, worker, first, gap = apart
-    at = "" if step is None else f" after the sync of step {step}"
-    raise ValueError(
-        f"The workers' params differ{at}: leaf {_checks.leaf_name(path)} of worker {worker} "
-        f"is {gap:.3g} from worker {first}'s, where a sync lands every worker on the same "
-        "point. Something after the optimizer changed its update (optax.scale, clip, "
-        "add_decayed_weights, contrib.reduce_on_plateau or lookahead chained after it: chain "
-        "clipping and weight decay before it), a wrapper skipped a step on one worker "
-        "(optax.apply_if_finite: the optimizer handles non-finite values itself), or the "
-        "optimizer never saw this leaf (optax.masked passes a masked-out leaf's own gradient "
-        "through as its update: freeze leaves with optax.multi_transform and "
-        "optax.set_to_zero). docs/usage.md, 'What does not compose'."
-    )
+                    at = "" if step is None else f" after the sync of step {step}"
+                    raise ValueError(
+                        f"The workers' params differ{at}: leaf "
+                        f"{_checks.leaf_name(path)} of worker {worker} is {gap:.3g} from "
+                        f"worker {found[0][0]}'s, where a sync lands every worker on the same "
+                        "point. Something after the optimizer changed its update (optax.scale, "
+                        "clip, add_decayed_weights, contrib.reduce_on_plateau or lookahead "
+                        "chained after it: chain clipping and weight decay before it), a "
+                        "wrapper skipped a step on one worker (optax.apply_if_finite: the "
+                        "optimizer handles non-finite values itself), or the optimizer never "
+                        "saw this leaf (optax.masked passes a masked-out leaf's own gradient "
+                        "through as its update: freeze leaves with optax.multi_transform and "
+                        "optax.set_to_zero). docs/usage.md, 'What does not compose'."
+                    )
 
 
 def dispatch_by_kind(
