@@ -733,6 +733,12 @@ def dp_tree(width: int = 1024) -> dict:
     }
 
 
+def quiet_plain_adam() -> None:
+    """The plain ``optax.adam`` baseline exchanges nothing on purpose (the optimizer's cost
+    alone): ``dp.jit``'s warning about such a step is expected here."""
+    warnings.filterwarnings("ignore", message="dp.jit: the step returns new params and never")
+
+
 def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) -> dict:
     """Per-kind step times through ``ozo.data_parallel(...).jit`` on ``devices`` of this
     process's devices, gradients given (the batch *is* each worker's gradient): plain
@@ -747,6 +753,7 @@ def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) 
     tree = dp_tree(width)
     mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     dp = ozo.data_parallel(mesh, tree, "data")
+    quiet_plain_adam()
     rng = np.random.default_rng(0)
     host = {k: rng.standard_normal((devices, *x.shape), np.float32) for k, x in tree.items()}
     params0 = dp.to_workers(jax.tree.map(lambda x: x[0], host))
@@ -863,6 +870,7 @@ def measure_host_time(devices: int, calls: int = 200, rounds: int = 3) -> list[d
     called alone (``dispatcher.program(kind)``: the dispatcher's own work is the difference).
     On XLA:CPU a program this small runs on the calling thread, so its run is in every
     figure; on a GPU the thread time is the host's alone."""
+    quiet_plain_adam()
     mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     policies = dict(var_freeze_step=2, var_update_scaler=1, local_step_scaler=2)
     policies["local_step_clipper"] = 64  # syncs every 64 steps once grown: mostly local steps

@@ -34,13 +34,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one.core import _checks, _graph, wrappers
+from optax_zero_one.core import _checks, _graph, kinds, wrappers
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
@@ -517,8 +518,11 @@ class DataParallel:
             self._check_batch(batch)
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
+            trains: list[bool] = []  # per trace: new params, no kind picked in the step
             one = self._on_workers(
-                functools.partial(_checked_step, step, {} if kind is None else {"step_kind": kind}),
+                functools.partial(
+                    _checked_step, step, {} if kind is None else {"step_kind": kind}, trains
+                ),
                 kind is not None,
             )
 
@@ -569,7 +573,10 @@ class DataParallel:
                     compiled_here = first[0] is None
                     if compiled_here:
                         keep(params, opt_state)
-                        first[0] = mapped[0].lower(params, opt_state, batch).compile()
+                        traced = mapped[0].trace(params, opt_state, batch)
+                        if kind is None and trains and trains[-1]:
+                            self._warn_if_no_exchange(traced.jaxpr)
+                        first[0] = traced.lower().compile()
                 if not compiled_here:  # another thread's first call compiled it
                     try:
                         return first[0](params, opt_state, batch)
@@ -600,6 +607,31 @@ class DataParallel:
             params_index=0,
             where_state="the step's second argument must be opt_state: step(params, opt_state, "
             "batch)",
+        )
+
+    def _warn_if_no_exchange(self, closed: Any) -> None:
+        """Warns if a step without a schedule that returns new params holds no collective over
+        the data axis (``closed``: its ``jax.stages.Traced.jaxpr``): then each worker trains
+        its own copy on its share of the batch. ``optax.adamw`` in ``dp.optimizer``
+        with no mean of the gradients ran so silently (a trial). Read from the program once,
+        at its first compile: nothing runs or is read back."""
+        if self.num_workers < 2 or _exchanges(closed.jaxpr, frozenset(self.data_axes)):
+            return
+        axis = self.data_axis
+        built = (
+            f"axis_name={axis!r}"
+            if isinstance(axis, str)
+            else f"axis_name={axis[0]!r}, fast_axis_name={axis[1]!r}"
+        )
+        warnings.warn(
+            f"dp.jit: the step returns new params and never exchanges anything over the data "
+            f"axis {axis!r} (no psum, pmean, all_gather, ... in its program): each of the "
+            f"{self.num_workers} workers trains its own copy on its share of the batch. Average "
+            f"the gradients before a plain optax optimizer (grads = jax.lax.pmean(grads, "
+            f"{axis!r})), or use an optimizer that communicates (ozo.zero_one_adam(..., "
+            f"{built})). If the workers train apart on purpose (local steps you average in "
+            "another program), ignore this warning.",
+            stacklevel=3,
         )
 
     def _check_batch(self, batch: Any) -> None:
@@ -765,12 +797,15 @@ def data_parallel(
 
 
 def _checked_step(
-    step: Callable[..., Any], kwargs: dict, params: Any, opt_state: Any, batch: Any
+    step: Callable[..., Any], kwargs: dict, trains: list, params: Any, opt_state: Any, batch: Any
 ) -> Any:
     """``step(params, opt_state, batch, **kwargs)``, its result checked (while tracing) against
     dp.jit's contract, ``(params, opt_state, aux)`` in that order: JAX's error for another
-    shape names out_shardings and tuple lengths, not the step."""
-    out = step(params, opt_state, batch, **kwargs)
+    shape names out_shardings and tuple lengths, not the step. Appends to ``trains`` whether it
+    returned other params than it was given (an evaluation step returns its own) with no step
+    kind given to a transform inside (a step that picks its kinds has local steps by design)."""
+    with kinds.hints_traced() as hinted:
+        out = step(params, opt_state, batch, **kwargs)
     if not isinstance(out, tuple | list) or len(out) != 3:
         got = (
             f"a {type(out).__name__} of {len(out)}"
@@ -789,7 +824,37 @@ def _checked_step(
                 f"{what} it was given: it must return (params, opt_state, aux) in that order, "
                 "the first two with the structure they came in with."
             )
+    given = jax.tree.leaves(params)
+    moved = any(o is not g for o, g in zip(jax.tree.leaves(out[0]), given, strict=True))
+    trains.append(moved and not hinted)
     return tuple(out)  # a list too: the programs' outputs are declared as a tuple
+
+
+# Primitives that name a mesh axis without moving data between its devices.
+_NOT_EXCHANGES = frozenset({"axis_index", "pvary", "pcast"})
+
+
+def _exchanges(jaxpr: Any, axes: frozenset[str], seen: set[int] | None = None) -> bool:
+    """Whether ``jaxpr`` (or any jaxpr inside it: conditionals' branches, loops' bodies,
+    nested jits and maps) holds a collective over one of ``axes`` (psum, all_gather,
+    all_to_all, ppermute, ...)."""
+    seen = set() if seen is None else seen
+    if id(jaxpr) in seen:
+        return False
+    seen.add(id(jaxpr))
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _NOT_EXCHANGES:
+            for key in ("axes", "axis_name"):
+                named = eqn.params.get(key)
+                named = named if isinstance(named, tuple | list) else (named,)
+                if any(isinstance(a, str) and a in axes for a in named):
+                    return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
+                if isinstance(inner, jex.Jaxpr) and _exchanges(inner, axes, seen):
+                    return True
+    return False
 
 
 def _check_structure(tree: Any, specs: Any, what: str, specs_what: str) -> None:
