@@ -423,6 +423,11 @@ def refuse_unless(ok: Any, own_ok: Any, expected: jax.Array, new_state: Any, old
     return kept._replace(refused_hint=jnp.where(own_ok, record, refused))
 
 
+# The name scope of a transform's update given a step kind: a program holding it picks its kinds
+# on the host, and its local steps exchange nothing by design.
+HINTED_SCOPE = "ozo_step_kind"
+
+
 def by_kind(
     hint: int | None,
     expected: jax.Array,
@@ -462,10 +467,11 @@ def by_kind(
             for b in range(num_branches)
         ]
         return switch(expected, branches, operand, axis_name)
-    own = expected == hint  # feeds scalar selects only (refuse_unless)
-    ok = computed_once(admitted(own, extra_args))  # a wrong hint is not applied: state kept
-    updates, new_state = step(hint, ok, operand, {**extra_args, STEP_OK: ok})
-    return refused(ok, updates), refuse_unless(ok, own, expected, new_state, operand[1])
+    with jax.named_scope(HINTED_SCOPE):  # in the program: dp.jit reads it (a cached trace too)
+        own = expected == hint  # feeds scalar selects only (refuse_unless)
+        ok = computed_once(admitted(own, extra_args))  # a wrong hint is not applied: state kept
+        updates, new_state = step(hint, ok, operand, {**extra_args, STEP_OK: ok})
+        return refused(ok, updates), refuse_unless(ok, own, expected, new_state, operand[1])
 
 
 def nan_unless(ok: Any, tree: Any) -> Any:

@@ -11,11 +11,8 @@ conditional in the graph (``docs/design.md``). A :class:`StepSchedule` lists the
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import threading
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -73,27 +70,9 @@ ONEBIT_KINDS = (WARMUP, ONEBIT_COMPRESSED)
 INPUTS_FINITE = "inputs_finite"
 
 
-_HINTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("ozo_hints", default=None)
-
-
-@contextlib.contextmanager
-def hints_traced() -> Iterator[list[StepKind]]:
-    """Collects the step kinds given to the transforms traced inside (:func:`check_step_kind`
-    notes each): a caller learns whether a step it traces picks its kinds itself."""
-    found: list[StepKind] = []
-    token = _HINTS.set(found)
-    try:
-        yield found
-    finally:
-        _HINTS.reset(token)
-
-
 def check_step_kind(step_kind: Any, where: str) -> StepKind | None:
     """``step_kind`` if it is ``None`` or a :class:`StepKind`; a clear ``ValueError`` otherwise."""
     if step_kind is None or isinstance(step_kind, StepKind):
-        noting = _HINTS.get()
-        if noting is not None and step_kind is not None:
-            noting.append(step_kind)
         return step_kind
     if isinstance(step_kind, str):
         raise ValueError(

@@ -41,7 +41,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_zero_one.core import _checks, _graph, kinds, wrappers
+from optax_zero_one.core import _checks, _graph, wrappers
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
@@ -518,11 +518,8 @@ class DataParallel:
             self._check_batch(batch)
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
-            trains: list[bool] = []  # per trace: new params, no kind picked in the step
             one = self._on_workers(
-                functools.partial(
-                    _checked_step, step, {} if kind is None else {"step_kind": kind}, trains
-                ),
+                functools.partial(_checked_step, step, {} if kind is None else {"step_kind": kind}),
                 kind is not None,
             )
 
@@ -574,8 +571,8 @@ class DataParallel:
                     if compiled_here:
                         keep(params, opt_state)
                         traced = mapped[0].trace(params, opt_state, batch)
-                        if kind is None and trains and trains[-1]:
-                            self._warn_if_no_exchange(traced.jaxpr)
+                        if kind is None:
+                            self._warn_if_no_mean(traced.jaxpr, len(jax.tree.leaves(params)))
                         first[0] = traced.lower().compile()
                 if not compiled_here:  # another thread's first call compiled it
                     try:
@@ -609,13 +606,24 @@ class DataParallel:
             "batch)",
         )
 
-    def _warn_if_no_exchange(self, closed: Any) -> None:
-        """Warns if a step without a schedule that returns new params holds no collective over
-        the data axis (``closed``: its ``jax.stages.Traced.jaxpr``): then each worker trains
-        its own copy on its share of the batch. ``optax.adamw`` in ``dp.optimizer``
-        with no mean of the gradients ran so silently (a trial). Read from the program once,
-        at its first compile: nothing runs or is read back."""
-        if self.num_workers < 2 or _exchanges(closed.jaxpr, frozenset(self.data_axes)):
+    def _warn_if_no_mean(self, closed: Any, num_params: int) -> None:
+        """Warns if a step without a schedule returns new params that depend on no collective
+        over the data axis (or over part of a pair of axes): then each worker trains its own
+        copy on its share of the batch. ``optax.adamw`` in ``dp.optimizer`` with no mean of
+        the gradients ran so silently (a trial). Read from the step's traced program
+        (``closed``: ``jax.stages.Traced.jaxpr``; its first ``num_params`` inputs and outputs
+        the params) at its first compile: nothing runs or is read back. Not warned about: an
+        evaluation step (its params returned as given) and a step whose transforms are given
+        a step kind (their local steps exchange nothing by design)."""
+        if self.num_workers < 2:
+            return
+        body = closed.jaxpr
+        outs = body.outvars[:num_params]
+        if all(_passed_through(body, v) == i for i, v in enumerate(outs)) or _hinted(body):
+            return
+        axes = frozenset(self.data_axes)
+        missing = sorted(axes - _mean_axes(body, outs, axes))
+        if not missing:
             return
         axis = self.data_axis
         built = (
@@ -623,14 +631,15 @@ class DataParallel:
             if isinstance(axis, str)
             else f"axis_name={axis[0]!r}, fast_axis_name={axis[1]!r}"
         )
+        over = f"the data axis {axis!r}" if len(missing) == len(axes) else f"axis {missing[0]!r}"
         warnings.warn(
-            f"dp.jit: the step returns new params and never exchanges anything over the data "
-            f"axis {axis!r} (no psum, pmean, all_gather, ... in its program): each of the "
-            f"{self.num_workers} workers trains its own copy on its share of the batch. Average "
-            f"the gradients before a plain optax optimizer (grads = jax.lax.pmean(grads, "
-            f"{axis!r})), or use an optimizer that communicates (ozo.zero_one_adam(..., "
-            f"{built})). If the workers train apart on purpose (local steps you average in "
-            "another program), ignore this warning.",
+            f"dp.jit: the params this step returns depend on no collective over {over} (no "
+            "psum, pmean, all_gather, ... of what updates them; one of the loss for logging "
+            f"does not count): each of the {self.num_workers} workers trains its own copy on "
+            f"its share of the batch. Average the gradients before a plain optax optimizer "
+            f"(grads = jax.lax.pmean(grads, {axis!r})), or use an optimizer that communicates "
+            f"(ozo.zero_one_adam(..., {built})). If the workers train apart on purpose (local "
+            "steps you average in another program), ignore this warning.",
             stacklevel=3,
         )
 
@@ -797,15 +806,12 @@ def data_parallel(
 
 
 def _checked_step(
-    step: Callable[..., Any], kwargs: dict, trains: list, params: Any, opt_state: Any, batch: Any
+    step: Callable[..., Any], kwargs: dict, params: Any, opt_state: Any, batch: Any
 ) -> Any:
     """``step(params, opt_state, batch, **kwargs)``, its result checked (while tracing) against
     dp.jit's contract, ``(params, opt_state, aux)`` in that order: JAX's error for another
-    shape names out_shardings and tuple lengths, not the step. Appends to ``trains`` whether it
-    returned other params than it was given (an evaluation step returns its own) with no step
-    kind given to a transform inside (a step that picks its kinds has local steps by design)."""
-    with kinds.hints_traced() as hinted:
-        out = step(params, opt_state, batch, **kwargs)
+    shape names out_shardings and tuple lengths, not the step."""
+    out = step(params, opt_state, batch, **kwargs)
     if not isinstance(out, tuple | list) or len(out) != 3:
         got = (
             f"a {type(out).__name__} of {len(out)}"
@@ -824,36 +830,110 @@ def _checked_step(
                 f"{what} it was given: it must return (params, opt_state, aux) in that order, "
                 "the first two with the structure they came in with."
             )
-    given = jax.tree.leaves(params)
-    moved = any(o is not g for o, g in zip(jax.tree.leaves(out[0]), given, strict=True))
-    trains.append(moved and not hinted)
     return tuple(out)  # a list too: the programs' outputs are declared as a tuple
 
 
 # Primitives that name a mesh axis without moving data between its devices.
 _NOT_EXCHANGES = frozenset({"axis_index", "pvary", "pcast"})
+# Calls whose one inner jaxpr maps their inputs to their outputs one to one (no loop carry),
+# followed into exactly; any other nested jaxpr (loops, conditionals) counts whole.
+_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "shard_map", "remat2", "checkpoint", "custom_jvp_call"}
+)
 
 
-def _exchanges(jaxpr: Any, axes: frozenset[str], seen: set[int] | None = None) -> bool:
-    """Whether ``jaxpr`` (or any jaxpr inside it: conditionals' branches, loops' bodies,
-    nested jits and maps) holds a collective over one of ``axes`` (psum, all_gather,
-    all_to_all, ppermute, ...)."""
-    seen = set() if seen is None else seen
-    if id(jaxpr) in seen:
-        return False
-    seen.add(id(jaxpr))
+def _inner(eqn: Any) -> list[Any]:
+    """The jaxprs inside ``eqn`` (conditionals' branches, loops' bodies, calls)."""
+    found = []
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+            inner = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
+            if isinstance(inner, jex.Jaxpr):
+                found.append(inner)
+    return found
+
+
+def _call_body(eqn: Any) -> Any:
+    """The jaxpr of a call-like ``eqn`` whose inputs and outputs are its own, else ``None``."""
+    inner = _inner(eqn)
+    if eqn.primitive.name not in _CALLS or len(inner) != 1:
+        return None
+    body = inner[0]
+    fits = len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars)
+    return body if fits else None
+
+
+def _axes_in(eqn: Any, axes: frozenset[str]) -> set[str]:
+    """The axes of ``axes`` that ``eqn``, or any jaxpr inside it, exchanges over."""
+    got: set[str] = set()
+    if eqn.primitive.name not in _NOT_EXCHANGES:
+        for key in ("axes", "axis_name"):
+            named = eqn.params.get(key)
+            named = named if isinstance(named, tuple | list) else (named,)
+            got |= {a for a in named if isinstance(a, str) and a in axes}
+    for inner in _inner(eqn):
+        for sub in inner.eqns:
+            got |= _axes_in(sub, axes)
+    return got
+
+
+def _mean_axes(jaxpr: Any, outs: list, axes: frozenset[str]) -> set[str]:
+    """The axes of ``axes`` over which a collective that ``outs`` (values of ``jaxpr``) depend
+    on exchanges: followed into calls, whole inside loops and conditionals."""
+    want = {v for v in outs if isinstance(v, jex.Var)}
+    got: set[str] = set()
+    for eqn in reversed(jaxpr.eqns):
+        hit = [i for i, v in enumerate(eqn.outvars) if v in want]
+        if not hit:
+            continue
+        body = _call_body(eqn)
+        if body is not None:
+            got |= _mean_axes(body, [body.outvars[i] for i in hit], axes)
+        else:
+            got |= _axes_in(eqn, axes)
+        want |= {v for v in eqn.invars if isinstance(v, jex.Var)}
+    return got
+
+
+def _passed_through(jaxpr: Any, out: Any) -> int | None:
+    """The index among ``jaxpr``'s inputs of the value ``out`` is, unchanged (followed out of
+    calls: an evaluation step under ``jax.jit`` returns its params through one), else ``None``."""
+    if not isinstance(out, jex.Var):
+        return None
+    if out in jaxpr.invars:
+        return jaxpr.invars.index(out)
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name not in _NOT_EXCHANGES:
-            for key in ("axes", "axis_name"):
-                named = eqn.params.get(key)
-                named = named if isinstance(named, tuple | list) else (named,)
-                if any(isinstance(a, str) and a in axes for a in named):
-                    return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
-                if isinstance(inner, jex.Jaxpr) and _exchanges(inner, axes, seen):
-                    return True
+        if out in eqn.outvars:
+            if _reshapes(eqn):  # dp.jit's worker axis, dropped and put back
+                return _passed_through(jaxpr, eqn.invars[0])
+            body = _call_body(eqn)
+            inside = (
+                None
+                if body is None
+                else _passed_through(body, body.outvars[eqn.outvars.index(out)])
+            )
+            return None if inside is None else _passed_through(jaxpr, eqn.invars[inside])
+    return None
+
+
+def _reshapes(eqn: Any) -> bool:
+    """Whether ``eqn`` gives its one array operand's elements another shape only."""
+    if len(eqn.outvars) != 1 or not eqn.invars or not isinstance(eqn.invars[0], jex.Var):
+        return False
+    name, (x, y) = eqn.primitive.name, (eqn.invars[0].aval, eqn.outvars[0].aval)
+    same = getattr(x, "size", None) == getattr(y, "size", -1) and x.dtype == y.dtype
+    shaped = ("reshape", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "stop_gradient")
+    return same and name in shaped
+
+
+def _hinted(jaxpr: Any) -> bool:
+    """Whether a transform in ``jaxpr`` (or inside it) was given a step kind
+    (:data:`~optax_zero_one.core._graph.HINTED_SCOPE`)."""
+    for eqn in jaxpr.eqns:
+        if _graph.HINTED_SCOPE in str(eqn.source_info.name_stack):
+            return True
+        if any(_hinted(inner) for inner in _inner(eqn)):
+            return True
     return False
 
 
