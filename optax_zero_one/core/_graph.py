@@ -423,8 +423,8 @@ def refuse_unless(ok: Any, own_ok: Any, expected: jax.Array, new_state: Any, old
     return kept._replace(refused_hint=jnp.where(own_ok, record, refused))
 
 
-# The name scope of a transform's update given a step kind: a program holding it picks its kinds
-# on the host, and its local steps exchange nothing by design.
+# The name scope of a transform's update given a step kind (by the caller, picking kinds on the
+# host: its local steps exchange nothing by design; or by an enclosing transform's branch).
 HINTED_SCOPE = "ozo_step_kind"
 
 

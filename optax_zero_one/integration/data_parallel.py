@@ -572,7 +572,8 @@ class DataParallel:
                         keep(params, opt_state)
                         traced = mapped[0].trace(params, opt_state, batch)
                         if kind is None:
-                            self._warn_if_no_mean(traced.jaxpr, len(jax.tree.leaves(params)))
+                            sizes = [len(jax.tree.leaves(t)) for t in (params, opt_state)]
+                            self._warn_if_no_mean(traced.jaxpr, *sizes)
                         first[0] = traced.lower().compile()
                 if not compiled_here:  # another thread's first call compiled it
                     try:
@@ -606,23 +607,27 @@ class DataParallel:
             "batch)",
         )
 
-    def _warn_if_no_mean(self, closed: Any, num_params: int) -> None:
-        """Warns if a step without a schedule returns new params that depend on no collective
-        over the data axis (or over part of a pair of axes): then each worker trains its own
-        copy on its share of the batch. ``optax.adamw`` in ``dp.optimizer`` with no mean of
-        the gradients ran so silently (a trial). Read from the step's traced program
-        (``closed``: ``jax.stages.Traced.jaxpr``; its first ``num_params`` inputs and outputs
-        the params) at its first compile: nothing runs or is read back. Not warned about: an
-        evaluation step (its params returned as given) and a step whose transforms are given
-        a step kind (their local steps exchange nothing by design)."""
+    def _warn_if_no_mean(self, closed: Any, num_params: int, num_state: int) -> None:
+        """Warns if a step without a schedule returns new params that, with the state it
+        returns, depend on no collective over the data axis (or over part of a pair of axes):
+        then each worker trains its own copy on its share of the batch. ``optax.adamw`` in
+        ``dp.optimizer`` with no mean of the gradients ran so silently (a trial). Read from
+        the step's traced program (``closed``: ``jax.stages.Traced.jaxpr``; its first
+        ``num_params`` inputs and outputs the params, the next ``num_state`` outputs the state:
+        a mean kept there for the next step counts, one only in ``aux`` does not) at its first
+        compile: nothing runs or is read back. Not warned about: an evaluation step (its
+        params returned as given) and a program where a transform was given a step kind (by
+        the caller, whose local steps exchange nothing by design, or by an enclosing transform
+        deciding in the graph, which exchanges)."""
         if self.num_workers < 2:
             return
         body = closed.jaxpr
         outs = body.outvars[:num_params]
-        if all(_passed_through(body, v) == i for i, v in enumerate(outs)) or _hinted(body):
+        made: dict = {}
+        if all(_passed_through(body, v, made) == i for i, v in enumerate(outs)) or _hinted(body):
             return
         axes = frozenset(self.data_axes)
-        missing = sorted(axes - _mean_axes(body, outs, axes))
+        missing = sorted(axes - _mean_axes(body, body.outvars[: num_params + num_state], axes))
         if not missing:
             return
         axis = self.data_axis
@@ -895,25 +900,27 @@ def _mean_axes(jaxpr: Any, outs: list, axes: frozenset[str]) -> set[str]:
     return got
 
 
-def _passed_through(jaxpr: Any, out: Any) -> int | None:
+def _passed_through(jaxpr: Any, out: Any, made: dict | None = None) -> int | None:
     """The index among ``jaxpr``'s inputs of the value ``out`` is, unchanged (followed out of
-    calls: an evaluation step under ``jax.jit`` returns its params through one), else ``None``."""
-    if not isinstance(out, jex.Var):
+    calls: an evaluation step under ``jax.jit`` returns its params through one), else ``None``.
+    ``made``: where each jaxpr's values come from, built once per jaxpr (by ``id``)."""
+    made = {} if made is None else made
+    if id(jaxpr) not in made:
+        where = {v: ("in", i) for i, v in enumerate(jaxpr.invars)}
+        for eqn in jaxpr.eqns:
+            where.update({v: (eqn, i) for i, v in enumerate(eqn.outvars)})
+        made[id(jaxpr)] = where
+    found = made[id(jaxpr)].get(out) if isinstance(out, jex.Var) else None
+    if found is None:
         return None
-    if out in jaxpr.invars:
-        return jaxpr.invars.index(out)
-    for eqn in jaxpr.eqns:
-        if out in eqn.outvars:
-            if _reshapes(eqn):  # dp.jit's worker axis, dropped and put back
-                return _passed_through(jaxpr, eqn.invars[0])
-            body = _call_body(eqn)
-            inside = (
-                None
-                if body is None
-                else _passed_through(body, body.outvars[eqn.outvars.index(out)])
-            )
-            return None if inside is None else _passed_through(jaxpr, eqn.invars[inside])
-    return None
+    eqn, i = found
+    if eqn == "in":
+        return i
+    if _reshapes(eqn):  # dp.jit's worker axis, dropped and put back
+        return _passed_through(jaxpr, eqn.invars[0], made)
+    body = _call_body(eqn)
+    inside = None if body is None else _passed_through(body, body.outvars[i], made)
+    return None if inside is None else _passed_through(jaxpr, eqn.invars[inside], made)
 
 
 def _reshapes(eqn: Any) -> bool:
