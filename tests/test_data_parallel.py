@@ -1223,6 +1223,12 @@ def test_a_step_that_never_exchanges_over_the_data_axis_warns_at_its_first_call(
     assert len(caught(warm_up, average=False, calls=1)) == 1
     assert len(caught(optax.adamw(1e-2), average=False, log_mean=True)) == 1  # a review
     assert not caught(optax.adamw(1e-2), average=True)
+
+    def delayed():  # the mean kept in the state, applied at the next step (a review)
+        update = lambda g, s, p=None: (s, jax.lax.pmean(g, "data"))  # noqa: E731
+        return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+
+    assert not caught(optax.chain(delayed(), optax.sgd(0.1)), average=False)
     assert not caught(make_tx(), average=False)  # 0/1 Adam, in the graph: it communicates
 
     # a kind's program a user dispatches by hand (examples/jit_sharded.py): a local step
