@@ -1124,17 +1124,10 @@ def test_two_threads_first_calls_compile_the_program_once(monkeypatch):
         start.wait()
         results.append(train(p, s, x))
 
-    threads = [threading.Thread(target=first_call) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _at_once(first_call, [(), ()])
     assert len(results) == 2 and len(compiles) == 1
-    assert_same = lambda a, b: [  # noqa: E731
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    ]
-    assert_same(results[0][0], results[1][0])
+    for a, b in zip(jax.tree.leaves(results[0][0]), jax.tree.leaves(results[1][0]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # first calls of other shapes at once (a train and an eval batch): the second waited for
     # the first's program, then ran it on its own shapes and failed (a review)
@@ -1147,12 +1140,17 @@ def test_two_threads_first_calls_compile_the_program_once(monkeypatch):
         start.wait()
         shaped[rows] = train(p, s, np.concatenate([x] * (rows // len(x))))
 
-    threads = [threading.Thread(target=call, args=(r * len(x),)) for r in (1, 2)]
+    _at_once(call, [(len(x),), (2 * len(x),)])
+    assert sorted(shaped) == [len(x), 2 * len(x)]
+
+
+def _at_once(target, args):
+    """Runs ``target(*a)`` for each ``a`` of ``args`` on a thread of its own; waits for all."""
+    threads = [threading.Thread(target=target, args=a) for a in args]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(shaped) == [len(x), 2 * len(x)]
 
 
 def test_a_raw_key_split_evenly_over_two_workers_is_named():

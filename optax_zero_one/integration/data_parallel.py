@@ -624,11 +624,11 @@ class DataParallel:
         body = closed.jaxpr
         outs = body.outvars[:num_params]
         made: dict = {}
-        if all(_passed_through(body, v, made) == i for i, v in enumerate(outs)) or _hinted(body):
+        if all(_passed_through(body, v, made) == i for i, v in enumerate(outs)):
             return
         axes = frozenset(self.data_axes)
         missing = sorted(axes - _mean_axes(body, body.outvars[: num_params + num_state], axes))
-        if not missing:
+        if not missing or _hinted(body):  # the whole program read only where it would warn
             return
         axis = self.data_axis
         built = (
