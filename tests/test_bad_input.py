@@ -811,6 +811,21 @@ def test_reset_compression_refuses_params_for_fresh_state():
         ozo.reset_compression(ozo.replicate(params, 4), old, ozo.replicate(params, 2))
 
 
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+def test_reset_compression_refuses_params_in_the_users_layout(name):
+    """A bad-input trial: params in the user's layout whose leaf's leading axis happened to be
+    the old worker count passed, and 1-bit Adam's move took that leaf's first row as the
+    params, (4, 3) -> (3,), failing only at the next update, blaming the gradients."""
+    params = {"w": jnp.arange(12.0).reshape(4, 3)}
+    tx = getattr(ozo, name)(1e-2, axis_name=AXIS)
+    old = jax.vmap(tx.init, axis_name=AXIS)(ozo.replicate(params, 4))
+    fresh = jax.vmap(tx.init, axis_name=AXIS)(ozo.replicate(params, 2))
+    with pytest.raises(ValueError, match=r"takes the params in the worker layout of the saved"):
+        ozo.reset_compression(params, old, fresh)
+    moved, _ = ozo.reset_compression(ozo.replicate(params, 4), old, fresh)
+    np.testing.assert_array_equal(np.asarray(moved["w"]), np.asarray(ozo.replicate(params, 2)["w"]))
+
+
 def test_schedule_kind_names_a_step_of_the_wrong_type_or_size():
     """A bad-input audit: kind(jnp.asarray(3)) said "steps are numbered from 1" of a valid step
     (its type was the problem), and kind(2**33) walked the policies for hours."""
@@ -1020,3 +1035,94 @@ def test_the_last_review_of_the_checks():
     workers = dp.to_workers(params)
     with pytest.raises(ValueError, match="is already sharded over the data axis"):
         dp.to_workers(workers)
+
+
+def test_a_hand_built_zero_one_adam_whose_sync_starts_after_the_freeze_is_refused():
+    # README's composition with start_step later than the variance freeze: nothing averaged
+    # between the two, so the workers parted (synchronized params 0.13 apart after 12 steps),
+    # with no error (a bad-input trial)
+    variance = ozo.VarianceDoubling(2, 1)
+
+    def composed(start_step):
+        return ozo.flatten(
+            ozo.local_step_sync(
+                optax.chain(
+                    ozo.scheduled_mean(AXIS, variance),
+                    ozo.scale_by_frozen_variance_adam(0.9, 0.999, 1e-8, variance),
+                    optax.scale_by_learning_rate(1e-2),
+                ),
+                ozo.LocalStepDoubling(1, 2),
+                AXIS,
+                start_step=start_step,
+                rule=ozo.FrozenAdamSync(1e-2, 1e-8, variance),
+            ),
+            axis_name=AXIS,
+        )
+
+    params = jnp.zeros((N, 3))
+    init = jax.vmap(composed(2).init, axis_name=AXIS)(params)  # at the freeze: fine
+    assert jax.tree.leaves(init)
+    with pytest.raises(ValueError, match=r"start_step \(5\) is after the variance freeze"):
+        jax.vmap(composed(5).init, axis_name=AXIS)(params)
+
+
+def test_scheduled_mean_refuses_gradients_it_cannot_average():
+    # the block alone averaged int32 gradients in int32 (a mean of 0 and 1 read 0) and bool ones
+    # to True, silently; complex ones failed inside the compression (a bad-input trial)
+    tx = ozo.scheduled_mean(AXIS, ozo.VarianceDoubling(4, 1))
+    params = {"a": jnp.zeros((N, 3)), "b": jnp.zeros((N, 2))}
+
+    def run(grads):
+        def worker(p, g):
+            return tx.update(g, tx.init(p), p)[0]
+
+        return jax.vmap(worker, axis_name=AXIS)(params, grads)
+
+    for dtype in (jnp.int32, jnp.bool_, jnp.complex64):
+        grads = {"a": jnp.ones((N, 3), dtype), "b": jnp.ones((N, 2))}
+        with pytest.raises(ValueError, match=r"scheduled_mean's input leaf \['a'\] has dtype"):
+            run(grads)
+    mean = run({"a": jnp.ones((N, 3)) * jnp.arange(N)[:, None], "b": jnp.ones((N, 2))})
+    np.testing.assert_allclose(np.asarray(mean["a"]), (N - 1) / 2)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+def test_gradients_that_do_not_vary_over_a_vmapped_axis_are_averaged(name, hierarchical):
+    """A bad-input trial: under jax.vmap a gradient the same on every worker and unbatched
+    (jnp.ones_like of the params) came back from JAX 0.10's all_to_all with the mapped axes twice,
+    and the two-phase step failed in a slice inside the decoding (TypeError). The result must
+    be that of the same gradient given per worker."""
+    axes = dict(axis_name="node", fast_axis_name="local") if hierarchical else {}
+    tx = getattr(ozo, name)(1e-2, **(axes or {"axis_name": AXIS}))
+    params = {"a": jnp.zeros((3, 2)), "b": jnp.zeros((5,))}
+
+    def worker(p, batched):
+        g = jax.tree.map(lambda x: x + 1.0 if batched else jnp.ones_like(x), p)
+        state = tx.init(p)
+        for _ in range(3):  # variance steps, then compressed ones (in the graph)
+            u, state = tx.update(g, state, p)
+        return u
+
+    def run(batched):
+        one = lambda p: worker(p, batched)  # noqa: E731
+        if hierarchical:
+            mapped = jax.vmap(jax.vmap(one, axis_name="local"), axis_name="node")
+            return jax.jit(mapped)(ozo.replicate(ozo.replicate(params, 2), 2))
+        return jax.jit(jax.vmap(one, axis_name=AXIS))(ozo.replicate(params, N))
+
+    for want, got in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_step_kinds_checks_its_step_count():
+    """A bad-input trial: 1.5 and '10' failed in Python arithmetic, and a count past the int32
+    counters was walked step by step before kind() refused it."""
+    variance, local = ozo.VarianceDoubling(4), ozo.LocalStepDoubling()
+    for bad in (1.5, "10", True):
+        with pytest.raises(ValueError, match="num_steps must be a Python or NumPy int"):
+            ozo.step_kinds(variance, local, bad)
+    with pytest.raises(ValueError, match="beyond the optimizers' int32 step counters"):
+        ozo.step_kinds(variance, local, 2**31)
+    assert ozo.step_kinds(variance, local, np.int64(0)).shape == (0,)
+    assert ozo.step_kinds(variance, local, 3).shape == (3,)

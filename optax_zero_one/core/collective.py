@@ -252,6 +252,18 @@ def _hierarchical(
     return mean, OnebitMeanState(worker_error, server_error), finite
 
 
+def _all_to_all(payload: jax.Array, axis: str) -> jax.Array:
+    """``lax.all_to_all`` of the rows of ``payload`` over ``axis`` (tiled, row ``j`` to worker
+    ``j``). Under ``jax.vmap``, JAX 0.10 returns a payload that does not vary over the axis
+    (every worker's gradient the same and unbatched, e.g. ``jnp.ones_like`` of the params) with
+    the mapped axes twice, ``(n, w, n, w)``, and the step failed deep inside the decoding (a
+    bad-input trial); the payload (1/32 of the buffer's bytes) is made to vary there first.
+    ``shard_map`` and ``pmap`` programs are unchanged."""
+    if not _graph.worker_axes(axis):  # under vmap: nothing types the payload as per worker
+        payload = jnp.where(lax.axis_index(axis) >= 0, payload, jnp.zeros_like(payload))
+    return lax.all_to_all(payload, axis, 0, 0, tiled=True)
+
+
 def _serve(
     x: jax.Array, worker_error: jax.Array, server_error: jax.Array, layout: Layout, axis: str
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -273,7 +285,7 @@ def _serve(
     payload = jnp.concatenate(
         [compression.pack_signs(signs), jnp.broadcast_to(scale_bytes, (n, scale_bytes.size))], 1
     )
-    received = lax.all_to_all(payload, axis, 0, 0, tiled=True)  # row i: from worker i
+    received = _all_to_all(payload, axis)  # row i: from worker i
 
     # Server stage: average the chunk this worker serves, compress it again.
     worker_scales = compression.bytes_to_scales(received[:, width // 8 :])  # (N, L)

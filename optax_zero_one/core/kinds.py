@@ -182,6 +182,10 @@ class StepSchedule:
     def indices(self, num_steps: int, first: int = 1) -> np.ndarray:
         """The kind (an index into :attr:`kinds`) of each step ``first..num_steps``."""
         _check_step(first)
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int | np.integer):
+            raise ValueError(f"num_steps must be a Python or NumPy int, got {num_steps!r}.")
+        if num_steps >= first:  # the last step within the counters (not walked up to first)
+            _check_step(num_steps)
         out = np.empty(max(num_steps - first + 1, 0), dtype=np.int8)
         walk = _Walk(self)
         for k in range(first, num_steps + 1):

@@ -157,6 +157,8 @@ def scheduled_mean_over(
     def update_fn(updates: Any, state: ScheduledMeanState, params: Any, **extra_args: Any) -> Any:
         del params
         comm.update_workers(updates)
+        # int and bool gradients were averaged in their own dtype (a mean of 0 and 1 read 0)
+        _checks.check_float_leaves(updates, "scheduled_mean's input")
         kind = kinds.check_step_kind(extra_args.get("step_kind"), "scheduled_mean")
         hint = None if kind is None else branch_of(kind)
         return _graph.by_kind(

@@ -82,10 +82,19 @@ class FrozenAdamSync(local_steps.ParamsAverage):
 
     def errors(self, inner_state: Any, start_step: int) -> Any:
         found = _graph.only_node(inner_state, ScheduledMeanState, "FrozenAdamSync")
-        if not isinstance(found.errors, collective_lib.OnebitMeanState):
-            return None
         freeze = getattr(self.variance_policy, "freeze_step", None)
         static = _checks.is_static_number(start_step) and _checks.is_static_number(freeze)
+        if static and start_step > freeze:
+            # the scheduled mean stops averaging at the freeze: until start_step nothing would
+            # average, and each worker would train (and anchor) on its own gradients
+            raise ValueError(
+                f"local_step_sync's start_step ({start_step}) is after the variance freeze "
+                f"(step {freeze}): the scheduled mean stops averaging at the freeze, so between "
+                f"the two each worker would train on its own gradients and the workers would "
+                f"part. Pass start_step={freeze} (0/1 Adam's phase B starts at the freeze)."
+            )
+        if not isinstance(found.errors, collective_lib.OnebitMeanState):
+            return None
         if freeze is None:
             raise ValueError(
                 "FrozenAdamSync needs the inner transform's variance_policy (for its freeze "

@@ -229,6 +229,29 @@ def _saved_nodes(tree: Any) -> int | None:
     return next(iter(rows)) if len(rows) == 1 else None
 
 
+def _row_shape(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)
+
+
+def _check_worker_params(row: Any, state: Any) -> None:
+    """Raises if one worker's ``row`` of the params is not the tree ``state``'s flat layout was
+    made for: params in the user's layout whose leaves' leading axis happens to be the old
+    worker count pass the worker-count check, and their first rows were taken as the params
+    (a bad-input trial). Checked where the state has one flat layout over the whole tree."""
+    nodes = _graph.nodes_of(state, wrappers.FlattenState)
+    layout = wrappers.find_layout(nodes[0].inner_state) if len(nodes) == 1 else None
+    if layout is None or len(layout.paths) != len(jax.tree.leaves(row)):
+        return
+    try:
+        layout.check_tree(row, "params (one worker's row)", "the optimizer state")
+    except ValueError as err:
+        raise ValueError(
+            "reset_compression takes the params in the worker layout of the saved run (every "
+            "worker's copy: each leaf with a leading axis of the old worker count, as saved), "
+            f"and one worker's row of these is not the optimizer's tree: {err}"
+        ) from None
+
+
 def reset_compression(
     params: Any,
     opt_state: Any,
@@ -316,6 +339,7 @@ def reset_compression(
     full = jax.tree.map(_on_host, opt_state)
     first = jax.tree.map(lambda x: x[0], full)
     fresh0 = jax.tree.map(_first_row, fresh_state)
+    _check_worker_params(jax.tree.map(_row_shape, params), first)
     params0 = workers.synchronized_params(jax.tree.map(lambda x: _on_host(x)[0], params), first)
     state0 = Move(params0)(first, full, fresh0)
     placements = [getattr(x, "sharding", None) for x in jax.tree.leaves(fresh_state)]
