@@ -319,3 +319,59 @@ def test_weight_decay_also_enters_the_momentum_at_syncs():
     expected = 1.0 - 1.0 / (1.0 + lr * mu)
     np.testing.assert_allclose(_decay_per_step(synced, 400), expected, rtol=2e-3)
     assert 9.5 < expected / adamw < 10.5  # ~1/(1 - b1)
+
+
+@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+def test_weight_decay_mask_decays_the_masked_parameters_alone(name):
+    """optax.adamw's mask, as weight_decay_mask: a Flax trial passed a decay mask as mask= (the
+    compression's), which froze the biases after the freeze, and had no way to keep biases out
+    of the optimizer's own decay. A leaf with mask 1 follows the run with the decay, a leaf
+    with mask 0 the run without it, bit for bit, through both phases on 4 workers; per element
+    on one worker (no compression: each element its own Adam)."""
+    make = getattr(ozo, name)
+    schedule = (
+        dict(var_freeze_step=4, local_step_clipper=2)
+        if name == "zero_one_adam"
+        else dict(freeze_step=4)
+    )
+    params = {"b": jnp.linspace(-1, 1, 4), "w": jnp.linspace(0.5, 2, 12).reshape(3, 4)}
+
+    def run(axis, workers, weight_decay, **kw):
+        tx = make(1e-2, weight_decay=weight_decay, axis_name=axis, **schedule, **kw)
+
+        def step(p, state, k, i):
+            key = jax.random.fold_in(jax.random.key(k), i)
+            g = jax.tree.map(lambda x: jax.random.normal(key, x.shape), p)
+            updates, state = tx.update(g, state, p)
+            return optax.apply_updates(p, updates), state
+
+        if axis is None:
+            p, init, step = params, tx.init, jax.jit(step)
+            index = 0
+        else:
+            p, init = ozo.replicate(params, workers), jax.vmap(tx.init, axis_name=axis)
+            step = jax.jit(jax.vmap(step, in_axes=(0, 0, None, 0), axis_name=axis))
+            index = jnp.arange(workers)
+        state = init(p)
+        for k in range(12):  # variance / warm-up steps, compressed, local and sync steps
+            p, state = step(p, state, k, index)
+        return p
+
+    plain, decayed = run(AXIS, N, 0.0), run(AXIS, N, 0.1)
+    masked = run(AXIS, N, 0.1, weight_decay_mask={"b": False, "w": True})
+    np.testing.assert_array_equal(masked["b"], plain["b"])
+    np.testing.assert_array_equal(masked["w"], decayed["w"])
+    assert not np.array_equal(plain["w"], decayed["w"])  # the decay moved something
+
+    per_element = {"b": jnp.array([1, 0, 1, 0]), "w": jnp.ones((3, 4))}
+    plain, decayed = run(None, 1, 0.0), run(None, 1, 0.1)
+    masked = run(None, 1, 0.1, weight_decay_mask=per_element)
+    np.testing.assert_array_equal(masked["b"][1::2], plain["b"][1::2])
+    np.testing.assert_array_equal(masked["b"][::2], decayed["b"][::2])
+    np.testing.assert_array_equal(masked["w"], decayed["w"])
+
+    with pytest.raises(ValueError, match=r"weight_decay_mask must be a pytree of 0/1 .*not a"):
+        make(1e-2, weight_decay=0.1, weight_decay_mask=lambda p: p)
+    with pytest.raises(ValueError, match="weight_decay_mask must be a pytree with the structure"):
+        jax.vmap(make(1e-2, weight_decay=0.1, axis_name=AXIS, weight_decay_mask={"w": 1}).init,
+                 axis_name=AXIS)(ozo.replicate(params, N))  # fmt: skip

@@ -599,15 +599,22 @@ def check_tree_matches(tree: Any, reference: Any, what: str, reference_what: str
             )
 
 
-def check_mask(mask: Any, params: Any) -> None:
-    """A compression mask must be a tree like ``params`` of 0/1 values (per leaf or per element)."""
+def check_mask(mask: Any, params: Any, name: str = "mask") -> None:
+    """A mask (``name``: the compression's, or the weight decay's) must be a tree like
+    ``params`` of 0/1 values (per leaf or per element)."""
     if mask is None:
         return
+    if callable(mask) and not hasattr(mask, "shape"):  # a function (a leaf of its own)
+        raise ValueError(
+            f"{name} must be a pytree of 0/1 like the params, not a function (optax's masks "
+            f"take either; here the tree is needed before the params are flattened): pass "
+            f"{name}=mask_fn(params)."
+        )
     if jax.tree.structure(mask) != jax.tree.structure(params):
         raise ValueError(
-            "mask must be a pytree with the structure of the params (one 0/1 array, or one "
+            f"{name} must be a pytree with the structure of the params (one 0/1 array, or one "
             "0/1 scalar, per parameter leaf).\n"
-            f"  mask: {jax.tree.structure(mask)}\n  params: {jax.tree.structure(params)}"
+            f"  {name}: {jax.tree.structure(mask)}\n  params: {jax.tree.structure(params)}"
         )
     for path, m, p in zip(
         jax.tree_util.tree_leaves_with_path(mask), jax.tree.leaves(mask), jax.tree.leaves(params)
@@ -615,7 +622,7 @@ def check_mask(mask: Any, params: Any) -> None:
         where = leaf_name(path[0])
         if jnp.shape(m) not in ((), jnp.shape(p)):
             raise ValueError(
-                f"mask leaf {where} has shape {jnp.shape(m)}; it must be a scalar or have the "
+                f"{name} leaf {where} has shape {jnp.shape(m)}; it must be a scalar or have the "
                 f"shape of the parameter as the optimizer sees it, {jnp.shape(p)} (under "
                 "ozo.data_parallel's dp.optimizer a leaf sharded over model axes is seen one "
                 "shard at a time, and a mask cannot differ per shard: give such a leaf a "
@@ -624,7 +631,7 @@ def check_mask(mask: Any, params: Any) -> None:
         if not isinstance(m, jax.core.Tracer):
             values = np.asarray(m)
             if not np.all((values == 0) | (values == 1)):
-                raise ValueError(f"mask leaf {where} must contain only 0 and 1 (or booleans).")
+                raise ValueError(f"{name} leaf {where} must contain only 0 and 1 (or booleans).")
 
 
 def transformation(

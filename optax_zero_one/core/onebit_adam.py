@@ -38,6 +38,7 @@ def scale_by_onebit_adam(
     weight_decay: float = 0.0,
     learning_rate: optax.ScalarOrSchedule | None = None,
     fast_axis_name: str | None = None,
+    weight_decay_mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Rescales local gradients by 1-bit Adam's moments (a direction, or an update with a
     learning rate).
@@ -65,7 +66,8 @@ def scale_by_onebit_adam(
       freeze_step: ``T``, the number of full-precision warm-up steps.
       axis_name: the worker axis, or ``None`` for one worker.
       num_workers: needed only if ``init`` runs outside the mapped context.
-      mask: optional pytree of 0/1 like the params; multiplies the compressed momentum.
+      mask: optional pytree of 0/1 like the params; multiplies the compressed momentum (a
+        compression mask, not ``optax.adamw``'s: that is ``weight_decay_mask``).
       collective: the backend of ``C``: ``"two_phase"`` (DeepSpeed's scheme) or ``"psum"``
         (one integer all-reduce, up to 255 workers); see :func:`~optax_zero_one.onebit_mean`.
       weight_decay: decoupled weight decay added to the direction (needs ``params``).
@@ -74,6 +76,9 @@ def scale_by_onebit_adam(
         the axis across nodes: every mean is exact over ``fast_axis_name`` and compressed only
         over ``axis_name``, on a 1/L share per worker (``docs/hierarchical.md``).
         ``num_workers`` is then a pair ``(nodes, workers per node)``. Two-phase backend only.
+      weight_decay_mask: optional pytree of 0/1 like the params (per leaf or per element):
+        the parameters ``weight_decay`` applies to, as ``optax.adamw``'s ``mask`` (e.g. not
+        biases and norms). A tree, not a function: pass ``mask_fn(params)``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -97,7 +102,7 @@ def scale_by_onebit_adam(
             b1, b2, eps, warmup, momentum_mean=momentum, axis_name=comm.axes
         ),
     ]
-    steps.append(decayed_weights(weight_decay, "onebit_adam"))
+    steps.append(decayed_weights(weight_decay, "onebit_adam", weight_decay_mask))
     if learning_rate is not None:
         steps.append(optax.scale_by_learning_rate(learning_rate))
     guarded = skip_not_finite(optax.chain(*steps))
@@ -118,6 +123,7 @@ def onebit_adam(
     mask: Any = None,
     collective: str = "two_phase",
     fast_axis_name: str | None = None,
+    weight_decay_mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """1-bit Adam (Tang et al., 2021): :func:`scale_by_onebit_adam` with decoupled weight decay
     and the learning rate.
@@ -129,9 +135,10 @@ def onebit_adam(
       b1, b2, eps: Adam's constants (no bias correction).
       weight_decay: decoupled weight decay, scaled by the learning rate.
       freeze_step: ``T``, the number of full-precision warm-up steps.
-      axis_name, num_workers, mask, collective, fast_axis_name: as in
+      axis_name, num_workers, mask, collective, fast_axis_name, weight_decay_mask: as in
         :func:`scale_by_onebit_adam` (the worker axis; its size if ``init`` runs outside it; a
-        0/1 mask; the backend; the axis inside a node, for hierarchical compression).
+        0/1 compression mask; the backend; the axis inside a node, for hierarchical
+        compression; which parameters decay).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -156,4 +163,5 @@ def onebit_adam(
         weight_decay=weight_decay,
         learning_rate=learning_rate,
         fast_axis_name=fast_axis_name,
+        weight_decay_mask=weight_decay_mask,
     )

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from optax_zero_one.core import _checks, _cut, _graph
+from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
 from optax_zero_one.core.comm import Comm
 from optax_zero_one.core.flat import (
     FlatTree,
@@ -229,7 +230,8 @@ def _saved_keys(keys: Any, count: int) -> np.ndarray:
     if isinstance(keys, jax.ShapeDtypeStruct):
         raise ValueError(
             "The optimizer state's leaf_keys hold no values (a ShapeDtypeStruct), as a "
-            "checkpoint written before the state kept them (optax_zero_one 0.2.0 and before) "
+            "checkpoint written before the state kept them (code before the CHANGELOG's leaf_keys "
+            "entry; its version string, 0.2.0, is the same) "
             "restored with partial_restore=True leaves them. If the params tree is the one it "
             "was saved with, take them from the state you restored into, initialised (the same "
             "optimizer, for the saved worker count): restored = jax.tree.map(lambda r, f: f if "
@@ -337,24 +339,42 @@ def skip_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransf
     return _checks.transformation(init_fn, update_fn, SkipNotFiniteState, "skip_not_finite")
 
 
-def decayed_weights(weight_decay: Any, optimizer: str) -> optax.GradientTransformationExtraArgs:
+def decayed_weights(
+    weight_decay: Any, optimizer: str, mask: Any = None
+) -> optax.GradientTransformationExtraArgs:
     """``optax.add_decayed_weights(weight_decay)``, an identity for a static ``0.0``.
 
     Its state is ``optax.EmptyState()`` for a number or an array, so that an optimizer's state
     has the same structure with a float ``weight_decay`` and under ``optax.inject_hyperparams``
     (where it is an array); a schedule of the count keeps optax's ``WeightDecaySchedule``
-    counter. A non-zero decay without params gets an error naming ``optimizer``.
+    counter. A non-zero decay without params gets an error naming ``optimizer``. ``mask``, a
+    tree of 0/1 like the params (per leaf or per element), says which parameters decay
+    (``optax.adamw``'s ``mask``); the params, flat or a tree, are multiplied by it first, so the
+    state is the same with and without one.
     """
     _checks.check_weight_decay(weight_decay)
+    _checks.check_mask(mask, mask, "weight_decay_mask")  # a function is refused now
     if _checks.is_static_number(weight_decay) and weight_decay == 0:
         return optax.with_extra_args_support(optax.identity())
     inner = optax.add_decayed_weights(weight_decay)
+
+    def init_fn(params: Any) -> Any:
+        shapes = params.shapes() if isinstance(params, FlatTree) else params
+        _checks.check_mask(mask, shapes, "weight_decay_mask")
+        return inner.init(params)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
         if params is None:
             raise ValueError(
                 f"{optimizer} with weight_decay needs params: update(grads, state, params)."
             )
+        if mask is not None and isinstance(params, FlatTree):
+            dtype = params.buffer.dtype
+            params = collective_lib.apply_mask(
+                collective_lib.flat_mask(mask, params.layout, dtype), params
+            )
+        elif mask is not None:
+            params = jax.tree.map(lambda m, x: x * jnp.asarray(m, x.dtype), mask, params)
         return inner.update(updates, state, params)
 
-    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -128,6 +128,7 @@ def scale_by_zero_one_adam(
     mask: Any = None,
     collective: str = "two_phase",
     fast_axis_name: str | None = None,
+    weight_decay_mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""0/1 Adam with pluggable policies: the update, learning rate and weight decay included.
 
@@ -159,13 +160,17 @@ def scale_by_zero_one_adam(
       weight_decay: decoupled weight decay, scaled by the learning rate.
       axis_name: the worker axis, or ``None`` for one worker.
       num_workers: needed only if ``init`` runs outside the mapped context.
-      mask: optional pytree of 0/1 like the params; multiplies the compressed means.
+      mask: optional pytree of 0/1 like the params; multiplies the compressed means (a
+        compression mask, not ``optax.adamw``'s: that is ``weight_decay_mask``).
       collective: the backend of ``C``: ``"two_phase"`` (DeepSpeed's scheme) or ``"psum"``
         (one integer all-reduce, up to 255 workers); see :func:`~optax_zero_one.onebit_mean`.
       fast_axis_name: a second worker axis, inside a node (fast links). Then ``axis_name`` is
         the axis across nodes: every mean is exact over ``fast_axis_name`` and compressed only
         over ``axis_name``, on a 1/L share per worker (``docs/hierarchical.md``).
         ``num_workers`` is then a pair ``(nodes, workers per node)``. Two-phase backend only.
+      weight_decay_mask: optional pytree of 0/1 like the params (per leaf or per element):
+        the parameters ``weight_decay`` applies to, as ``optax.adamw``'s ``mask`` (e.g. not
+        biases and norms). A tree, not a function: pass ``mask_fn(params)``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
@@ -188,7 +193,7 @@ def scale_by_zero_one_adam(
         scheduled_mean_over(comm, variance_policy),
         scale_by_frozen_variance_adam(b1, b2, eps, variance_policy, axis_name=comm.axes),
     ]
-    steps.append(decayed_weights(weight_decay, "zero_one_adam"))
+    steps.append(decayed_weights(weight_decay, "zero_one_adam", weight_decay_mask))
     steps.append(optax.scale_by_learning_rate(learning_rate))
     synced = local_steps.local_step_sync_over(
         optax.chain(*steps),
@@ -217,6 +222,7 @@ def zero_one_adam(
     mask: Any = None,
     collective: str = "two_phase",
     fast_axis_name: str | None = None,
+    weight_decay_mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """0/1 Adam (Lu et al., 2023) with DeepSpeed's default schedules.
 
@@ -236,9 +242,10 @@ def zero_one_adam(
       var_update_scaler: ``kappa``; variance steps per interval before the gap doubles.
       local_step_scaler: ``alpha``; phase-B steps per interval before the sync gap doubles.
       local_step_clipper: ``H``; the largest sync gap.
-      axis_name, num_workers, mask, collective, fast_axis_name: as in
+      axis_name, num_workers, mask, collective, fast_axis_name, weight_decay_mask: as in
         :func:`scale_by_zero_one_adam` (the worker axis; its size if ``init`` runs outside it;
-        a 0/1 mask; the backend; the axis inside a node, for hierarchical compression).
+        a 0/1 compression mask; the backend; the axis inside a node, for hierarchical
+        compression; which parameters decay).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -271,4 +278,5 @@ def zero_one_adam(
         mask=mask,
         collective=collective,
         fast_axis_name=fast_axis_name,
+        weight_decay_mask=weight_decay_mask,
     )
