@@ -752,8 +752,10 @@ class KindDispatcher:
                 f"stays at {int(now[0])}): "
                 "each update was not finite, so the state kept its counters and the run makes "
                 "no progress. Look at the gradients (a NaN or Inf in the loss, a learning rate "
-                "too large, fp16 overflow) and at the params, which a step can have made "
-                "non-finite; the state's skipped_updates counts these steps.",
+                "too large, fp16 overflow), at the params, which a step can have made "
+                "non-finite, and at the hyperparameters at this step (a learning-rate schedule "
+                "that is NaN or Inf past its horizon, e.g. sqrt(1 - count / total)); the "
+                "state's skipped_updates counts these steps.",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -427,7 +427,9 @@ def worker_body(fn: Callable[..., Any], batched: bool, axes: Any, owner: str) ->
                         if isinstance(err, _graph.DecidedInGraph)
                         else "a conditional in it could not be batched (the optimizer's update "
                         "without step_kind, from a jitted function's cache, or a lax.cond of "
-                        "your own)"
+                        "your own: optax.apply_if_finite or MultiSteps' skip_not_finite around "
+                        "the optimizer decide per worker, and one worker's NaN then hangs the "
+                        "job in a collective the others wait in; docs/usage.md)"
                     )
                     warnings.warn(
                         f"{owner}: {why}; the step runs on each worker's row instead of under "
