@@ -1126,3 +1126,30 @@ def test_step_kinds_checks_its_step_count():
         ozo.step_kinds(variance, local, 2**31)
     assert ozo.step_kinds(variance, local, np.int64(0)).shape == (0,)
     assert ozo.step_kinds(variance, local, 3).shape == (3,)
+
+
+def test_checks_of_a_state_refuse_what_holds_no_state_of_this_library():
+    """A bad-input trial: check_hints and check_restored passed on optax.adam's state and on
+    the params, checking nothing."""
+    params = {"a": jnp.zeros(3)}
+    for check in (ozo.check_hints, ozo.check_restored):
+        for wrong in (optax.adam(1e-3).init(params), params):
+            with pytest.raises(ValueError, match="found no optimizer state of optax_zero_one"):
+                check(wrong)
+    for tx in (
+        ozo.zero_one_adam(1e-3, axis_name=AXIS),
+        optax.chain(ozo.onebit_mean(AXIS), optax.sgd(0.1)),  # no step counter: still ours
+        ozo.diloco(optax.adamw(1e-3), optax.sgd(0.7), 4, AXIS),
+    ):
+        state = jax.vmap(tx.init, axis_name=AXIS)(ozo.replicate(params, N))
+        ozo.check_hints(state)
+        ozo.check_restored(state)
+
+
+def test_to_workers_names_a_leaf_that_does_not_split_over_the_workers():
+    """A bad-input trial: JAX's IndivisibleError about a NamedSharding, naming no leaf."""
+    mesh = ozo.worker_mesh("w", 4)
+    for leaf in (np.zeros((6, 2)), np.float32(1.0)):
+        with pytest.raises(ValueError, match=r"to_workers: leaf \['x'\] has shape"):
+            ozo.to_workers({"x": leaf}, mesh)
+    assert ozo.to_workers({"x": np.zeros((8, 2))}, mesh)["x"].shape == (8, 2)

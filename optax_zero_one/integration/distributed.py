@@ -227,6 +227,15 @@ def to_workers(values: Any, mesh: jax.sharding.Mesh, axis_name: WorkerAxes = Non
     sharding = NamedSharding(mesh, P(axis))
     n = _num_workers(mesh, axis)
     if not callable(values):
+        for path, x in jax.tree_util.tree_flatten_with_path(values)[0]:
+            rows = np.shape(x)[0] if np.ndim(x) else None
+            if rows is None or rows % n:
+                raise ValueError(
+                    f"to_workers: leaf {jax.tree_util.keystr(path)} has shape {np.shape(x)}, "
+                    f"whose leading axis does not split over the {n} workers: give every leaf "
+                    f"one row per worker (ozo.replicate(tree, {n}) for a tree all workers "
+                    f"share), or pass a function of the worker index, i -> worker i's tree."
+                )
         if sharding.is_fully_addressable:
             return jax.device_put(values, sharding)
         return jax.tree.map(
