@@ -1254,3 +1254,35 @@ def test_a_step_that_never_exchanges_over_the_data_axis_warns_at_its_first_call(
             jax.jit(lambda p, s, x: (p, s, loss_fn(p, x))),
         ):
             dp.jit(evaluate, donate=False)(p, dp.init(tx, p), batches(1)[0])
+
+
+def test_a_wrapper_that_skips_per_worker_is_refused_at_the_first_call():
+    """A Flax trial: optax.apply_if_finite (or MultiSteps with skip_not_finite) around the
+    optimizer under dp.jit hung the job at one worker's NaN (that worker skipped the
+    collectives the others waited in; XLA:CPU aborted after 40 s, status 134). The first call
+    refuses it, before anything runs, with a schedule and without."""
+    mesh = mesh_of(1)
+    params = {k: jax.device_put(x, NamedSharding(mesh, P())) for k, x in host_params().items()}
+    dp = ozo.data_parallel(mesh, params)
+    inner = ozo.zero_one_adam(1e-2, axis_name="data", var_freeze_step=8)
+
+    def first_call(tx, schedule=None):
+        tx = dp.optimizer(tx)
+
+        def step(p, s, x, step_kind=None):
+            g = jax.grad(loss_fn)(p, x)
+            kind = {} if step_kind is None else {"step_kind": step_kind}
+            u, s = tx.update(g, s, p, **kind)
+            return optax.apply_updates(p, u), s, None
+
+        p = dp.to_workers(params)
+        return dp.jit(step, schedule=schedule)(p, dp.init(tx, p), next(iter(batches(1))))
+
+    refused = r"inside optax\.(apply_if_finite|MultiSteps with a should_skip_update_fn)"
+    with pytest.raises(ValueError, match=refused):
+        first_call(optax.apply_if_finite(inner, 10))
+    with pytest.raises(ValueError, match=refused):
+        first_call(optax.apply_if_finite(inner, 10), ozo.zero_one_schedule(8))
+    with pytest.raises(ValueError, match=refused):
+        first_call(optax.MultiSteps(inner, 2, should_skip_update_fn=optax.skip_not_finite))
+    first_call(inner, ozo.zero_one_schedule(8))  # the optimizer alone

@@ -272,6 +272,9 @@ def test_dispatch_compares_the_params_after_the_first_sync(wrap):
         run.settle()
     except ValueError as err:
         assert wrap != "none", err
+        if wrap == "apply_if_finite":  # refused at the first call: on devices it would hang
+            assert k == 1 and "inside optax.apply_if_finite" in str(err), (k, err)
+            return
         assert "The workers' params differ after the sync of step 12" in str(err)
         assert wrap != "masked" or "leaf ['b']" in str(err) and "optax.masked" in str(err)
         return

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -675,6 +676,37 @@ def _nodes(state: Any) -> Iterator[Any]:
             children = jax.tree_util.tree_flatten(node, is_leaf=lambda x, n=node: x is not n)[0]
             if not (len(children) == 1 and children[0] is node):  # not a leaf
                 stack.extend(reversed(children))
+
+
+def check_no_per_worker_skip(state: Any, what: str) -> None:
+    """Raises if ``state`` holds this library's state inside ``optax.apply_if_finite`` or an
+    ``optax.MultiSteps`` with a ``should_skip_update_fn``: each decides on each worker's own
+    gradient whether to run the update, so at one worker's NaN that worker skips the collectives
+    the others wait in and a job on devices hangs (XLA:CPU aborts after ~40 s; a Flax trial).
+    Found by optax's state classes (their fields, not their transforms, tell)."""
+
+    def ours(tree: Any) -> bool:
+        return any(type(n).__module__.startswith("optax_zero_one") for n in state_nodes(tree))
+
+    for node in _nodes(state):
+        if isinstance(node, optax.ApplyIfFiniteState) and ours(node.inner_state):
+            wrapper = "optax.apply_if_finite"
+        elif (
+            isinstance(node, optax.MultiStepsState)
+            and jax.tree.leaves(node.skip_state)
+            and ours(node.inner_opt_state)
+        ):
+            wrapper = "optax.MultiSteps with a should_skip_update_fn"
+        else:
+            continue
+        raise ValueError(
+            f"{what}: the optimizer runs inside {wrapper}, which decides on each worker's own "
+            "gradient whether to run it. At a non-finite gradient on one worker, that worker "
+            "skips the optimizer's collectives while the others wait in them, and the job "
+            "hangs. Drop the wrapper: the optimizers skip non-finite steps themselves, on "
+            "every worker together (docs/usage.md, 'What does not compose'); for MultiSteps, "
+            "zero a worker's whole gradient when any of it is not finite before it."
+        )
 
 
 def check_not_nnx_state(state: Any, what: str) -> None:

@@ -515,6 +515,7 @@ class DataParallel:
             self.check_worker_layout(opt_state, "opt_state")
             if leaves:  # a state restored for another tree
                 wrappers.check_leaf_keys(opt_state)
+            _graph.check_no_per_worker_skip(opt_state, "dp.jit")
             self._check_batch(batch)
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:

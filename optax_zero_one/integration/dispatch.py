@@ -723,6 +723,7 @@ class KindDispatcher:
             )
         if counter is not self._last_counter:  # first call, or a state from elsewhere
             _check_one_count(state)
+            _graph.check_no_per_worker_skip(state, "The step dispatched by kind")
             self._pending.clear()
             self._types = [cls for cls, _ in refused]
             self._confirmed = np.asarray(_host_counts(counter, refused))
