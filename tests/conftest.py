@@ -115,10 +115,6 @@ SLOW_TESTS = {
     "test_nonfinite.py::test_multisteps_recovers_from_a_nan_with_the_documented_zeroing[phase B]",
     "test_diloco.py::test_start_step_with_the_documented_warm_up_keeps_the_workers_together",
     "test_comm_volume.py::test_hierarchical_programs_send_what_the_formulas_say",
-    "test_bad_input.py::test_gradients_that_do_not_vary_over_a_vmapped_axis_are_averaged"
-    "[zero_one_adam-hierarchical]",
-    "test_bad_input.py::test_gradients_that_do_not_vary_over_a_vmapped_axis_are_averaged"
-    "[onebit_adam-hierarchical]",
 }
 SLOW_FILES = {
     # 2 processes x 2 devices, every phase (~25 s; 2026-12-07): test_data_parallel's and

@@ -1086,7 +1086,11 @@ def test_scheduled_mean_refuses_gradients_it_cannot_average():
     np.testing.assert_allclose(np.asarray(mean["a"]), (N - 1) / 2)
 
 
-@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+@pytest.mark.parametrize(
+    "hierarchical",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # ~5 s each: in make test-slow
+    ids=["flat", "hierarchical"],
+)
 @pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
 def test_gradients_that_do_not_vary_over_a_vmapped_axis_are_averaged(name, hierarchical):
     """A bad-input trial: under jax.vmap a gradient the same on every worker and unbatched
