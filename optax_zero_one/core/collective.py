@@ -258,7 +258,9 @@ def _all_to_all(payload: jax.Array, axis: str) -> jax.Array:
     (every worker's gradient the same and unbatched, e.g. ``jnp.ones_like`` of the params) with
     the mapped axes twice, ``(n, w, n, w)``, and the step failed deep inside the decoding (a
     bad-input trial); the payload (1/32 of the buffer's bytes) is made to vary there first.
-    ``shard_map`` and ``pmap`` programs are unchanged."""
+    ``shard_map`` programs are unchanged; under ``pmap`` (no varying types in JAX 0.10 either)
+    the select is lowered too, and XLA folds it away (the same compiled instructions, the same
+    bits; a review)."""
     if not _graph.worker_axes(axis):  # under vmap: nothing types the payload as per worker
         payload = jnp.where(lax.axis_index(axis) >= 0, payload, jnp.zeros_like(payload))
     return lax.all_to_all(payload, axis, 0, 0, tiled=True)

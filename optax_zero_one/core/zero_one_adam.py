@@ -170,7 +170,8 @@ def scale_by_zero_one_adam(
         ``num_workers`` is then a pair ``(nodes, workers per node)``. Two-phase backend only.
       weight_decay_mask: optional pytree of 0/1 like the params (per leaf or per element):
         the parameters ``weight_decay`` applies to, as ``optax.adamw``'s ``mask`` (e.g. not
-        biases and norms). A tree, not a function: pass ``mask_fn(params)``.
+        biases and norms). A tree, not a function: pass ``mask_fn(params)``. (Under
+        ``optax.inject_hyperparams`` a mask that is one array is injected as a value.)
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
