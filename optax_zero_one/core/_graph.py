@@ -678,6 +678,11 @@ def _nodes(state: Any) -> Iterator[Any]:
                 stack.extend(reversed(children))
 
 
+def holds_own_state(tree: Any) -> bool:
+    """Whether ``tree`` holds a state of this library's transforms (by the class's module)."""
+    return any(type(n).__module__.startswith("optax_zero_one") for n in state_nodes(tree))
+
+
 def check_no_per_worker_skip(state: Any, what: str) -> None:
     """Raises if ``state`` holds this library's state inside ``optax.apply_if_finite`` or an
     ``optax.MultiSteps`` with a ``should_skip_update_fn``: each decides on each worker's own
@@ -685,16 +690,13 @@ def check_no_per_worker_skip(state: Any, what: str) -> None:
     the others wait in and a job on devices hangs (XLA:CPU aborts after ~40 s; a Flax trial).
     Found by optax's state classes (their fields, not their transforms, tell)."""
 
-    def ours(tree: Any) -> bool:
-        return any(type(n).__module__.startswith("optax_zero_one") for n in state_nodes(tree))
-
     for node in _nodes(state):
-        if isinstance(node, optax.ApplyIfFiniteState) and ours(node.inner_state):
+        if isinstance(node, optax.ApplyIfFiniteState) and holds_own_state(node.inner_state):
             wrapper = "optax.apply_if_finite"
         elif (
             isinstance(node, optax.MultiStepsState)
             and jax.tree.leaves(node.skip_state)
-            and ours(node.inner_opt_state)
+            and holds_own_state(node.inner_opt_state)
         ):
             wrapper = "optax.MultiSteps with a should_skip_update_fn"
         else:

@@ -411,8 +411,7 @@ def check_hints(state: Any) -> None:
 def _check_has_state(state: Any, what: str) -> None:
     """Raises if ``state`` holds no state of this library's transforms: a check of it would
     pass whatever it is (params, ``optax.adam``'s state; a bad-input trial)."""
-    ours = [n for n in _graph.state_nodes(state) if type(n).__module__.startswith("optax_zero_one")]
-    if not ours:
+    if not _graph.holds_own_state(state):
         raise ValueError(
             f"{what} found no optimizer state of optax_zero_one's transforms in its argument "
             f"(the params? another optimizer's state?): pass the state that zero_one_adam, "
