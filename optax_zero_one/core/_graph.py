@@ -683,6 +683,17 @@ def holds_own_state(tree: Any) -> bool:
     return any(type(n).__module__.startswith("optax_zero_one") for n in state_nodes(tree))
 
 
+def check_holds_own_state(state: Any, what: str) -> None:
+    """Raises if ``state`` holds no state of this library's transforms: a check of it would
+    pass whatever it is (params, ``optax.adam``'s state; a bad-input trial)."""
+    if not holds_own_state(state):
+        raise ValueError(
+            f"{what} found no optimizer state of optax_zero_one's transforms in its argument "
+            f"(the params? another optimizer's state?): pass the state that zero_one_adam, "
+            f"onebit_adam, diloco or one of their blocks made, e.g. opt_state."
+        )
+
+
 def check_no_per_worker_skip(state: Any, what: str) -> None:
     """Raises if ``state`` holds this library's state inside ``optax.apply_if_finite`` or an
     ``optax.MultiSteps`` with a ``should_skip_update_fn``: each decides on each worker's own

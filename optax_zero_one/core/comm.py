@@ -98,5 +98,11 @@ class Comm:
 
     def check_mask(self, params: Any) -> None:
         """Raises ``ValueError`` unless the mask fits ``params`` (a tree or a flat buffer)."""
-        shapes = params.shapes() if isinstance(params, FlatTree) else params
-        _checks.check_mask(self.mask, shapes)
+        check_mask_fits(self.mask, params)
+
+
+def check_mask_fits(mask: Any, params: Any, name: str = "mask") -> None:
+    """:func:`~optax_zero_one.core._checks.check_mask` for ``params`` given as a tree or as a
+    flat buffer (its leaves' shapes)."""
+    shapes = params.shapes() if isinstance(params, FlatTree) else params
+    _checks.check_mask(mask, shapes, name)

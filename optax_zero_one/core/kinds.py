@@ -389,7 +389,7 @@ def check_hints(state: Any) -> None:
     every few hundred steps and before a checkpoint.
     """
     _graph.check_not_nnx_state(state, "check_hints")
-    _check_has_state(state, "check_hints")
+    _graph.check_holds_own_state(state, "check_hints")
     problems = []
     for cls, record in _graph.refusals(state):
         refused, expected = (int(v) for v in _graph.first_values(record, 2))
@@ -405,17 +405,6 @@ def check_hints(state: Any) -> None:
             "step_kind=ozo.step_kind(opt_state, schedule), or schedule.kind(k) for update k "
             "(numbered from 1), with the schedule built from the optimizer's own arguments; or "
             "let ozo.dispatch_by_kind run the loop."
-        )
-
-
-def _check_has_state(state: Any, what: str) -> None:
-    """Raises if ``state`` holds no state of this library's transforms: a check of it would
-    pass whatever it is (params, ``optax.adam``'s state; a bad-input trial)."""
-    if not _graph.holds_own_state(state):
-        raise ValueError(
-            f"{what} found no optimizer state of optax_zero_one's transforms in its argument "
-            f"(the params? another optimizer's state?): pass the state that zero_one_adam, "
-            f"onebit_adam, diloco or one of their blocks made, e.g. opt_state."
         )
 
 

@@ -19,7 +19,7 @@ import optax
 
 from optax_zero_one.core import _checks, _cut, _graph
 from optax_zero_one.core import collective as collective_lib  # `collective` names the backend
-from optax_zero_one.core.comm import Comm
+from optax_zero_one.core.comm import Comm, check_mask_fits
 from optax_zero_one.core.flat import (
     FlatTree,
     Layout,
@@ -359,8 +359,7 @@ def decayed_weights(
     inner = optax.add_decayed_weights(weight_decay)
 
     def init_fn(params: Any) -> Any:
-        shapes = params.shapes() if isinstance(params, FlatTree) else params
-        _checks.check_mask(mask, shapes, "weight_decay_mask")
+        check_mask_fits(mask, params, "weight_decay_mask")
         return inner.init(params)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:

@@ -199,7 +199,7 @@ def check_restored(opt_state: Any, schedule: kinds.StepSchedule | None = None) -
       ValueError: The optimizer state was saved for another parameter tree: ...
     """
     _graph.check_not_nnx_state(opt_state, "check_restored")
-    kinds._check_has_state(opt_state, "check_restored")
+    _graph.check_holds_own_state(opt_state, "check_restored")
     restore_checks(opt_state, schedule)
 
 

@@ -513,9 +513,9 @@ class DataParallel:
         def check(params: Any, opt_state: Any, batch: Any, leaves: bool) -> None:
             self.check_worker_layout(params, "params")
             self.check_worker_layout(opt_state, "opt_state")
-            if leaves:  # a state restored for another tree
-                wrappers.check_leaf_keys(opt_state)
-            _graph.check_no_per_worker_skip(opt_state, "dp.jit")
+            if leaves:  # without a schedule: no dispatcher checks these at its first call
+                wrappers.check_leaf_keys(opt_state)  # a state restored for another tree
+                _graph.check_no_per_worker_skip(opt_state, "dp.jit")
             self._check_batch(batch)
 
         def compile_kind(kind: StepKind | None) -> Callable[..., Any]:
