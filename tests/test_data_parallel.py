@@ -746,22 +746,49 @@ def test_processes_that_build_their_params_apart_are_caught(tmp_path):
     assert not list(tmp_path.glob("p*.npz"))  # neither process finished training
 
 
+def test_processes_whose_one_bit_adam_params_start_apart_are_caught(tmp_path):
+    """1-bit Adam has no local steps, so no synchronised point to compare: each process
+    seeding its params with its own index trained 200 steps with the workers' params apart by
+    their first difference, and the evaluation params were worker 0's alone (a multi-host
+    trial). Every 1-bit Adam step averages, so the params themselves must agree: the
+    dispatcher compares them once, at its first check, across processes too."""
+    cmd = ("--seed-per-process", "--onebit")
+    output, _ = _two_processes(tmp_path, *cmd).communicate(timeout=300)
+    assert "The workers train apart: the params[" in output, output[-5000:]
+    assert "the workers of process 0 and those of process 1 at step 8" in output
+    assert not list(tmp_path.glob("p*.npz"))
+
+
 @pytest.mark.parametrize(
-    "differ, found",
+    "differ, in_graph, found",
     [
-        ("schedule", "the schedule differs between process 0 and process 1"),
-        ("batch", "argument 2 of the step differs between process 0 and process 1"),
+        ("schedule", False, "the schedule differs between process 0 and process 1"),
+        ("batch", False, "argument 2 of the step differs between process 0 and process 1"),
+        ("width", False, "the params differ between process 0 and process 1 in structure, "),
+        ("schedule", True, "the step's program differs between process 0 and process 1"),
+        ("batch", True, "argument 2 of the step differs between process 0 and process 1"),
     ],
+    ids=["schedule", "batch", "width", "schedule-in-graph", "batch-in-graph"],
 )
-def test_processes_that_run_different_steps_stop_at_the_first_call(tmp_path, differ, found):
+def test_processes_that_run_different_steps_stop_at_the_first_call(
+    tmp_path, differ, in_graph, found
+):
     """Each process dispatches on its own: with another schedule (a trial: var_freeze_step
     set by process) the processes ran other kinds from the freeze on and hung at the next
     collective, without a word; with a batch of another size per process they trained on
     other rows, silently. The dispatcher's first call now compares the schedule, the step and
-    the arguments' shapes across processes, and every process stops with the error."""
-    output, _ = _two_processes(tmp_path, "--differ", differ).communicate(timeout=300)
+    the arguments' shapes across processes (naming the first leaf that differs), and every
+    process stops with the error. Without a schedule, dp.jit's program decides the kinds:
+    with var_freeze_step 7 on one process, its sync's collectives met the other's
+    full-precision mean and used its bytes as data (losses 1e4 times the run's), then the job
+    hung; a batch of another size trained to the end (a multi-host trial). Its first call now
+    compares the programs' text and the arguments' shapes the same way."""
+    cmd = ("--differ", differ, *(("--in-graph",) if in_graph else ()))
+    output, _ = _two_processes(tmp_path, *cmd).communicate(timeout=300)
     assert found in output, output[-5000:]
     assert output.count("The processes of this job do not run the same step") >= 2, output[-5000:]
+    if differ == "width":  # the leaf, as each process holds it
+        assert "first at leaf 1 (here ['w1']: (4, 16, 34) float32)" in output, output[-5000:]
 
 
 def test_two_processes_train_as_one(tmp_path):

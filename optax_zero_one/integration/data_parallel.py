@@ -572,10 +572,13 @@ class DataParallel:
                     if compiled_here:
                         keep(params, opt_state)
                         traced = mapped[0].trace(params, opt_state, batch)
+                        lowered = traced.lower()
                         if kind is None:
                             sizes = [len(jax.tree.leaves(t)) for t in (params, opt_state)]
                             self._warn_if_no_mean(traced.jaxpr, *sizes)
-                        first[0] = traced.lower().compile()
+                            # no dispatcher compares the processes: this first call does
+                            _check_processes_run(lowered, params, opt_state, batch)
+                        first[0] = lowered.compile()
                 if not compiled_here:  # another thread's first call compiled it
                     try:
                         return first[0](params, opt_state, batch)
@@ -703,6 +706,23 @@ class DataParallel:
             )
 
         return self._program(("synchronized_params",), make)(params, opt_state)
+
+
+def _check_processes_run(lowered: Any, params: Any, opt_state: Any, batch: Any) -> None:
+    """With several processes, before a step without a schedule first runs: raises
+    ``ValueError`` on every process if they are not about to run the same program on
+    arguments of the same shapes from the same step (one host all-gather of digests and a
+    read of the step counter). The program decides the step kinds from constants baked into it
+    and the counters: a process built with another ``var_freeze_step`` ran a sync's
+    collectives against the others' full-precision mean, took their bytes as data (losses
+    1e4 times the run's) and hung later; one given a batch of another size trained silently
+    on other rows (a trial)."""
+    if jax.process_count() == 1:
+        return
+    counter = _graph.step_counter(opt_state)
+    step = 0 if counter is None else int(_graph.first_value(counter))
+    args = (params, opt_state, batch)
+    dispatch.check_processes_agree(None, step, args, 1, 0, program=lowered.as_text())
 
 
 def data_parallel(

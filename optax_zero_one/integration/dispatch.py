@@ -523,7 +523,9 @@ class KindDispatcher:
             )
         self._sync_with(args[self._state_index])
         if not self._agreed:  # before any program that would wait on a process in vain
-            _check_processes_agree(self.schedule, self.step, args, self._state_index)
+            # dp.jit's (counts in the program): the params are its first argument and result
+            params = self._params_index if self._counted else None
+            check_processes_agree(self.schedule, self.step, args, self._state_index, params)
             self._agreed = True
         # before this step's program: an error leaves the caller's state as it was (not donated)
         self._settle_with(args[self._state_index])
@@ -562,13 +564,19 @@ class KindDispatcher:
             self._since_check = 0
             counts = _first_shard(counts) if self._counted else _host_counts(counter, refused)
             counts.copy_to_host_async()
-            if not self._compared and not kind.phase_a:  # once: local steps have begun
+            # once: where local steps have begun; without local steps (1-bit Adam: every step
+            # averages, so the params themselves are alike on every worker), at once
+            every_step_averages = self.schedule.local_step_policy is None
+            if not self._compared and (every_step_averages or not kind.phase_a):
                 self._compared = True
                 # the leading axis is the workers' where dp.jit says so, or where the step
                 # returns params in the worker layout (params_index): also for a state without
                 # flat buffers (a float-sync diloco), whose layout records no worker count
                 known = self._counted or self._params_index is not None
-                check_workers_agree(out[self._state_index], counter, self.step, known)
+                params = None
+                if every_step_averages and self._params_index is not None:
+                    params = out[self._params_index]
+                check_workers_agree(out[self._state_index], counter, self.step, known, params)
         if self._params_index is not None and self._params_checks < PARAMS_CHECKS:
             # at the first syncs after a local step (the workers apart before it): a sync lands
             # every worker on the same point. More than one: a wrapper with a period of its own
@@ -856,11 +864,13 @@ def check_workers_agree(
     counter: Any,
     step: int | None = None,
     worker_axis: bool = False,
+    params: Any = None,
     across_processes: bool = True,
 ) -> None:
     """Raises ``ValueError`` if the values every worker must hold alike (the ``SHARED`` fields
-    of the states in ``state``: ``local_step_sync``'s last synchronised point) differ between
-    the workers this process holds, compared on up to 64 elements of each leaf per worker.
+    of the states in ``state``: ``local_step_sync``'s last synchronised point; and ``params``
+    if given, for an optimizer whose every step averages: 1-bit Adam's) differ between the
+    workers this process holds, compared on up to 64 elements of each leaf per worker.
 
     Nothing in the compiled programs can see it (that would take a collective per step), and
     it does not heal: workers that did not start from the same params, or a ``start_step``
@@ -882,6 +892,11 @@ def check_workers_agree(
         (f"{cls.__name__}.{cls.SHARED}{jax.tree_util.keystr(path)}", leaf, _samples(leaf))
         for cls, value in _graph.shared_values(state)
         for path, leaf in _worker_leaves(value, counter)
+    ]
+    entries += [
+        (f"the params{jax.tree_util.keystr(path)}", leaf, _samples(leaf))
+        for path, leaf in _worker_leaves(params, counter)
+        if jnp.issubdtype(leaf.dtype, jnp.floating)  # not a key or counter kept beside them
     ]
     # first the processes' digests (every process takes part before any can raise), then the
     # workers this process holds, then those of other processes
@@ -907,11 +922,16 @@ def check_workers_agree(
 
 
 def _raise_apart(name: str, where: str, at: str, hint: str = "") -> None:
+    what = (
+        "the params, the same on every worker where every step averages (1-bit Adam)"
+        if name.startswith("the params")
+        else "the last synchronised point, the same on every worker by design"
+    )
     raise ValueError(
-        f"The workers train apart: {name} (the last synchronised point, the same on every "
-        f"worker by design) differs between {where}{at}, and no later sync brings them "
-        "together. Either the workers did not start from the same params (build them with "
-        "ozo.replicate(params, num_workers) or dp.to_workers(params), not with a key per "
+        f"The workers train apart: {name} ({what}) differs between {where}{at}, and no "
+        "later sync brings them together. Either the workers did not start from the same "
+        "params (build them with ozo.replicate(params, num_workers) or "
+        "dp.to_workers(params), not with a key per "
         f"worker{hint}); or a local_step_sync / diloco with start_step > 0 has an inner "
         "transform that does not average up to start_step (docs/diloco.md shows one that "
         "does); or a wrapper acts on one worker alone: optax.apply_if_finite around the "
@@ -960,12 +980,22 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
     return None
 
 
-def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state: int) -> None:
+def check_processes_agree(
+    schedule: StepSchedule | None,
+    step: int,
+    args: tuple,
+    state: int,
+    params: int | None = None,
+    program: str | None = None,
+) -> None:
     """With several processes: raises ``ValueError`` on every process if they do not run the
     same schedule, at the same step, on arguments of the same structure, shapes and dtypes
     (one small host all-gather at a dispatcher's first call and after a restore: every process
     must call the dispatcher, also where its arrays live on its own devices alone, as
-    ``jax.pmap``'s do while its collectives span the processes).
+    ``jax.pmap``'s do while its collectives span the processes). ``params``: the place of the
+    params among ``args`` (named so in the error); ``program``: the text of the program about
+    to run (``dp.jit`` without a schedule, where the kinds are decided in the program: one
+    built with another ``var_freeze_step`` differs only in a constant), compared too.
 
     Each process dispatches on its own: a process whose schedule, optimizer or batch differs
     compiles other programs, whose collectives wait for partners that never come (trials: a
@@ -973,16 +1003,25 @@ def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state
     word; a batch of another size per process trained silently on other rows)."""
     if jax.process_count() == 1:
         return
-    described = repr(schedule)
+    described = "" if schedule is None else repr(schedule)
     parts = [("the schedule", "" if " at 0x" in described else described)]
+    described_args = []
     for i, arg in enumerate(args):
-        leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
-        shapes = ";".join(
+        leaves = [
             f"{jax.tree_util.keystr(path)}:{np.shape(x)}:{getattr(x, 'dtype', type(x).__name__)}"
-            for path, x in leaves
+            for path, x in jax.tree_util.tree_flatten_with_path(arg)[0]
+        ]
+        described_args.append(leaves)
+        what = (
+            "the optimizer state"
+            if i == state
+            else "the params"
+            if i == params
+            else f"argument {i} of the step"
         )
-        what = "the optimizer state" if i == state else f"argument {i} of the step"
-        parts.append((what, shapes))
+        parts.append((what, ";".join(leaves)))
+    if program is not None:
+        parts.append(("the step's program", program))
     digests = [step] + [_digest(text.encode()) for _, text in parts]
     every = distributed.host_allgather(np.asarray(digests, np.int32))
     differs = np.flatnonzero((every != every[:1]).any(axis=1))
@@ -996,22 +1035,51 @@ def _check_processes_agree(schedule: StepSchedule, step: int, args: tuple, state
         )
     else:
         k = int(np.flatnonzero(every[other, 1:] != every[0, 1:])[0])
-        found = f"{parts[k][0]} differs between process 0 and process {other}"
+        differ = "differ" if parts[k][0] == "the params" else "differs"
+        found = f"{parts[k][0]} {differ} between process 0 and process {other}"
+        if 1 <= k <= len(args):  # every process gets here with the same k: one more gather
+            found += _first_leaf_apart(described_args[k - 1], other)
         hint = {
             "the schedule": " (built with other arguments)",
             "the optimizer state": (
-                " in structure, shapes or dtypes (an optimizer built with other arguments, "
-                "e.g. collective= or mask=, or for another worker count)"
+                " (an optimizer built with other arguments, e.g. collective= or mask=, or "
+                "for another worker count)"
+            ),
+            "the params": " (a model built with other sizes)",
+            "the step's program": (
+                " although the arguments agree: an optimizer built with other "
+                "hyperparameters (var_freeze_step, the learning rate, ...), or a step that "
+                "reads jax.process_index() or another per-process value (pass such values "
+                "in, or use jax.lax.axis_index inside the step)"
             ),
         }
-        found += hint.get(
-            parts[k][0], " in structure, shapes or dtypes (e.g. a batch of another size)"
-        )
+        found += hint.get(parts[k][0], " (e.g. a batch of another size)")
     raise ValueError(
         f"The processes of this job do not run the same step: {found}. Every process must "
         "call the step with the same optimizer, schedule and argument shapes (the global "
         "batch, the same on each, or per-process data of the same size), from the same "
         "checkpoint; else their collectives wait on each other for good."
+    )
+
+
+def _first_leaf_apart(leaves: list[str], other: int, most: int = 512) -> str:
+    """Where an argument's structure, shapes or dtypes differ between process 0 and process
+    ``other``: the first of its leaves (``path:shape:dtype``, up to ``most``) whose digest
+    differs, as this process holds it. A host all-gather: every process must call it."""
+    mine = np.zeros(most + 1, np.int32)
+    mine[0] = len(leaves)
+    mine[1 : 1 + min(len(leaves), most)] = [_digest(x.encode()) for x in leaves[:most]]
+    every = distributed.host_allgather(mine)
+    apart = np.flatnonzero(every[other, 1:] != every[0, 1:])
+    if not apart.size:
+        return f" (in structure: {every[0, 0]} and {every[other, 0]} leaves)"
+    k = int(apart[0])
+    if k >= len(leaves):
+        return f" in structure: {every[0, 0]} and {every[other, 0]} leaves"
+    path, shape, dtype = leaves[k].rsplit(":", 2)
+    return (
+        f" in structure, shapes or dtypes, first at leaf {k} (here {path or 'the leaf'}: "
+        f"{shape} {dtype})"
     )
 
 

@@ -36,21 +36,24 @@ SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
 STEPS = 14
 
 
-def host_params(seed: int = 0) -> dict[str, np.ndarray]:
+def host_params(seed: int = 0, width: int = 32) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
-        "w1": (0.3 * rng.standard_normal((16, 32))).astype(np.float32),
-        "w2": (0.3 * rng.standard_normal((32, 4))).astype(np.float32),
+        "w1": (0.3 * rng.standard_normal((16, width))).astype(np.float32),
+        "w2": (0.3 * rng.standard_normal((width, 4))).astype(np.float32),
         "b": np.zeros((4,), np.float32),
     }
 
 
-def make_tx() -> optax.GradientTransformationExtraArgs:
-    """0/1 Adam whose 14 steps take the kinds 0 0 1 0 1 0 3 3 3 3 2 3 2 3 (every kind)."""
+def make_tx(freeze: int = 6, onebit: bool = False) -> optax.GradientTransformationExtraArgs:
+    """0/1 Adam whose 14 steps take the kinds 0 0 1 0 1 0 3 3 3 3 2 3 2 3 (every kind);
+    ``onebit``: 1-bit Adam, compressed from step ``freeze`` on."""
+    if onebit:
+        return ozo.onebit_adam(1e-2, axis_name="data", freeze_step=freeze)
     return ozo.zero_one_adam(
         1e-2,
         axis_name="data",
-        var_freeze_step=6,
+        var_freeze_step=freeze,
         var_update_scaler=2,
         local_step_scaler=4,
         local_step_clipper=2,
@@ -81,20 +84,21 @@ def job_mesh(model: int = 2) -> jax.sharding.Mesh:
     return jax.make_mesh((4, model), ("data", "model"), axis_types=auto, devices=devices)
 
 
-def setup(mesh: jax.sharding.Mesh, seed: int = 0) -> tuple:
+def setup(mesh: jax.sharding.Mesh, seed: int = 0, width: int = 32, **tx: object) -> tuple:
     """``(dp, tx, step, params)``: the params placed as a multi-host jit user places them
-    (sharded as ``SPECS`` says over the mesh's axes), the helper, its optimizer and the step.
-    ``seed``: of the host params (a process given its own builds params apart)."""
+    (sharded as ``SPECS`` says over the mesh's axes), the helper, its optimizer (``tx``:
+    :func:`make_tx`'s arguments) and the step. ``seed``, ``width``: of the host params (a
+    process given its own seed builds params apart)."""
 
     def spec(name: str) -> P:
         return SPECS[name] if "model" in mesh.axis_names else P()
 
     params = {
         k: jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec(k)), lambda i, x=x: x[i])
-        for k, x in host_params(seed).items()
+        for k, x in host_params(seed, width).items()
     }
     dp = ozo.data_parallel(mesh, params)
-    tx = dp.optimizer(make_tx())
+    tx = dp.optimizer(make_tx(**tx))
 
     def step(p: dict, s: object, x: jax.Array, step_kind: object = None) -> tuple:
         loss, g = jax.value_and_grad(loss_fn)(p, x)
@@ -110,11 +114,12 @@ def train(
     seed: int = 0,
     schedule: object = None,
     rows: int = 32,
+    **built: object,
 ) -> dict:
     """Trains ``steps`` steps (dispatched by kind with ``schedule``); returns the helper, the
     final params, state and compiled step, and the mean loss over the data workers of every
-    step."""
-    dp, tx, step, params = setup(mesh, seed)
+    step. ``built``: :func:`setup`'s ``width`` and :func:`make_tx`'s arguments."""
+    dp, tx, step, params = setup(mesh, seed, **built)
     params_w = dp.to_workers(params)
     state = dp.init(tx, params_w)
     train_step = dp.jit(step, schedule=schedule)
@@ -141,21 +146,34 @@ def main() -> None:
     )
     parser.add_argument(
         "--differ",
-        choices=["schedule", "batch"],
-        help="a user's mistake: process 1 runs another schedule, or a batch of another size",
+        choices=["schedule", "batch", "width"],
+        help="a user's mistake: process 1 runs another schedule (and var_freeze_step), a "
+        "batch of another size, or a model of another width",
     )
+    parser.add_argument(
+        "--in-graph", action="store_true", help="dp.jit without a schedule (with --differ)"
+    )
+    parser.add_argument("--onebit", action="store_true", help="1-bit Adam (--seed-per-process)")
     args = parser.parse_args()
     job = ozo.initialize_from_env()
     if args.seed_per_process:  # dispatched: the dispatcher compares the workers
-        train(job_mesh(), seed=job.process_id, schedule=SCHEDULE)
+        onebit = dict(onebit=True, freeze=4) if args.onebit else {}
+        schedule = ozo.onebit_schedule(4) if args.onebit else SCHEDULE
+        train(job_mesh(), seed=job.process_id, schedule=schedule, **onebit)
         return
     if args.differ:
         other = job.process_id == 1
         late = ozo.zero_one_schedule(
             var_freeze_step=7, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2
         )
-        schedule = late if other and args.differ == "schedule" else SCHEDULE
-        train(job_mesh(), schedule=schedule, rows=40 if other and args.differ == "batch" else 32)
+        later = other and args.differ == "schedule"
+        train(
+            job_mesh(),
+            schedule=None if args.in_graph else late if later else SCHEDULE,
+            rows=40 if other and args.differ == "batch" else 32,
+            width=34 if other and args.differ == "width" else 32,
+            freeze=7 if later else 6,
+        )
         return
     run = train(job_mesh())
     args.out.mkdir(parents=True, exist_ok=True)
