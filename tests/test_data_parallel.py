@@ -340,6 +340,103 @@ def test_workers_that_start_apart_are_caught_once_local_steps_begin(model):
     assert first_b <= at < first_b + 8  # at its first check in phase B
 
 
+def test_one_bit_adam_workers_apart_are_caught_and_their_own_statistics_are_not():
+    """1-bit Adam averages every step, so its params are alike on every worker: the dispatcher
+    compares them at its first check (there is no synchronised point to compare). Only the
+    leaves the optimizer updates: a review found the first version refusing a batch norm's
+    running mean that each worker keeps beside them (the step passes the optimizer
+    ``params["net"]``), which is correct training."""
+    mesh = mesh_of(1)
+    rng = np.random.default_rng(0)
+    net = {
+        "w1": jnp.asarray(0.3 * rng.standard_normal((16, 32)), jnp.float32),
+        "w2": jnp.asarray(0.3 * rng.standard_normal((32, 4)), jnp.float32),
+    }
+    dp = ozo.data_parallel(mesh, {"net": net, "bn_mean": jnp.zeros((32,))})
+    tx = dp.optimizer(ozo.onebit_adam(1e-2, axis_name="data", freeze_step=4))
+
+    def step(p, s, x, step_kind=None):
+        def loss_fn(net):
+            h = x @ net["w1"]
+            mu = jnp.mean(h, axis=0)  # this worker's statistics, not averaged
+            return jnp.mean((jnp.tanh(h - mu) @ net["w2"] - 1.0) ** 2), mu
+
+        (loss, mu), g = jax.value_and_grad(loss_fn, has_aux=True)(p["net"])
+        u, s = tx.update(g, s, p["net"], step_kind=step_kind)
+        new = {"net": optax.apply_updates(p["net"], u), "bn_mean": 0.9 * p["bn_mean"] + 0.1 * mu}
+        return new, s, loss
+
+    def run(params_w):
+        state = dp.init(tx, params_w["net"])
+        train = dp.jit(step, schedule=ozo.onebit_schedule(4))
+        for x in batches(12):
+            params_w, state, _ = train(params_w, state, x)
+        train.settle()
+        return params_w
+
+    params_w = run(dp.to_workers({"net": net, "bn_mean": jnp.zeros((32,))}))
+    stats = np.asarray(params_w["bn_mean"])
+    assert np.abs(stats - stats[:1]).max() > 0  # the workers' own statistics, apart
+    apart = dp.to_workers({"net": net, "bn_mean": jnp.zeros((32,))})
+    rows = jnp.arange(N, dtype=jnp.float32).reshape(N, 1, 1)
+    apart["net"]["w2"] = apart["net"]["w2"] + 1e-3 * rows
+    with pytest.raises(ValueError, match=r"train apart: the params\['net'\]\['w2'\] .* at step 8"):
+        run(apart)
+
+
+def test_a_mismatch_found_by_one_process_stops_every_process(monkeypatch):
+    """A process whose own workers hold different values raised alone; the other processes,
+    whose first workers' digests agreed, went on and were killed by the coordination service
+    (a review). The gather now carries each process's own finding, so every process raises.
+    Two processes simulated: this one (workers alike) and one that found its own apart."""
+    dp, tx, step, params = job.setup(mesh_of(1))
+    state = dp.init(tx, dp.to_workers(params))
+    counter = ozo.core._graph.step_counter(state)
+    gathered = []
+
+    def host_allgather(values):  # process 1: the same digests, its own workers apart
+        theirs = np.array(values)
+        theirs[..., -1] = 1
+        gathered.append(values)
+        return np.stack([values, theirs])
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(ozo.integration.distributed, "host_allgather", host_allgather)
+    agree = ozo.integration.dispatch.check_workers_agree
+    with pytest.raises(
+        ValueError, match=r"train apart: .* differs between the workers of process 1"
+    ):
+        agree(state, counter, 8, True, dp.to_workers(params))
+    assert len(gathered) == 1
+
+
+def test_the_first_leaf_that_differs_is_named_past_the_first_window(monkeypatch):
+    """An argument's leaves are compared across processes in windows of 512 digests; the first
+    version gathered one window only, and a model of 600 leaves whose last leaf differed by
+    process was reported as "600 and 600 leaves" (a review). Two processes simulated."""
+    mine = [f"['layer_{i:03d}']:(4, 8, 8):float32" for i in range(600)]
+    theirs = [*mine[:-1], "['layer_599']:(4, 8, 9):float32"]
+    calls = []
+
+    def host_allgather(values):  # process 1 answers with the same calls on its own leaves
+        if len(calls) == 0:
+            other = np.asarray([len(theirs)], np.int32)
+        else:
+            start = 512 * (len(calls) - 1)
+            digests = [ozo.integration.dispatch._digest(x.encode()) for x in theirs[start:][:512]]
+            other = np.zeros(512, np.int32)
+            other[: len(digests)] = digests
+        calls.append(values)
+        return np.stack([values, other])
+
+    monkeypatch.setattr(ozo.integration.distributed, "host_allgather", host_allgather)
+    found = ozo.integration.dispatch._first_leaf_apart(mine, 1)
+    assert found == (
+        " in structure, shapes or dtypes, first at leaf 599 (here ['layer_599']: (4, 8, 8) float32)"
+    )
+    assert len(calls) == 3  # the counts, then two windows
+
+
 def test_tree_map_params_on_a_model_sharded_state(two_d):
     """optax.tree_map_params (how frameworks derive the state's shardings) on dp.optimizer's
     state of model-sharded params: it initialised with optax's placeholder for the params and

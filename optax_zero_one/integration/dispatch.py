@@ -895,21 +895,25 @@ def check_workers_agree(
     ]
     entries += [
         (f"the params{jax.tree_util.keystr(path)}", leaf, _samples(leaf))
-        for path, leaf in _worker_leaves(params, counter)
-        if jnp.issubdtype(leaf.dtype, jnp.floating)  # not a key or counter kept beside them
+        for path, leaf in _optimized_leaves(params, counter, layout)
     ]
-    # first the processes' digests (every process takes part before any can raise), then the
-    # workers this process holds, then those of other processes
-    # (across_processes=False where not every process makes this call: it would wait for them)
-    apart = _processes_apart(entries) if across_processes else None
     at = "" if step is None else f" at step {step}"
+    # the workers this process holds; then (every process takes part in the gather before any
+    # raises, also the one that found its own workers apart) those of other processes
+    # (across_processes=False where not every process makes this call: it would wait for them)
+    inside = None
     for name, _, samples in entries:
         for found in samples.values():
             differs = [w for w, b in found if b.tobytes() != found[0][1].tobytes()]
-            if differs:
-                _raise_apart(name, f"worker {found[0][0]} and worker {differs[0]}", at)
+            if differs and inside is None:
+                inside = (name, f"worker {found[0][0]} and worker {differs[0]}")
+    apart = _processes_apart(entries, inside is not None) if across_processes else None
+    if inside is not None:
+        _raise_apart(*inside, at)
     if apart is not None:
         name, first, other = apart
+        if other < 0:  # another process found its own workers apart
+            _raise_apart(name, f"the workers of process {first}", at)
         _raise_apart(
             name,
             f"the workers of process {first} and those of process {other}",
@@ -919,6 +923,23 @@ def check_workers_agree(
             "hyperparameters: a learning rate or weight decay that differs by process parts "
             "the workers too)",
         )
+
+
+def _optimized_leaves(params: Any, counter: Any, layout: Any) -> list[tuple[Any, jax.Array]]:
+    """The float leaves of ``params`` in the worker layout that the optimizer updates: where
+    the state's flat ``layout`` names its leaves, those whose path ends with one of its names
+    (the step may pass the optimizer a subtree, ``params["net"]``). Values kept beside them
+    that each worker updates on its own (a batch norm's running statistics) are not compared:
+    a review found 1-bit Adam's check refusing them."""
+    leaves = [
+        (path, leaf)
+        for path, leaf in _worker_leaves(params, counter)
+        if jnp.issubdtype(leaf.dtype, jnp.floating)  # not a key or counter kept beside them
+    ]
+    names = tuple(layout.paths) if layout is not None else ()
+    if not names or "" in names:
+        return leaves
+    return [(path, leaf) for path, leaf in leaves if flat._leaf_name(path).endswith(names)]
 
 
 def _raise_apart(name: str, where: str, at: str, hint: str = "") -> None:
@@ -951,11 +972,12 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little", signed=True)
 
 
-def _processes_apart(entries: list) -> tuple[str, int, int] | None:
+def _processes_apart(entries: list, inside: bool = False) -> tuple[str, int, int] | None:
     """With several processes: ``(name, process, other process)`` of the first leaf whose
     shared values differ between processes (compared where both hold the same part of it:
-    model shards hold different values), else ``None``. One small all-gather of a digest per
-    leaf and part, on every process (a host-side collective, once per run)."""
+    model shards hold different values), or ``(name, process, -1)`` where that process found
+    its own workers apart (``inside``: this one did), else ``None``. One small all-gather of
+    a digest per leaf and part, on every process (a host-side collective, once per run)."""
     if jax.process_count() == 1 or not entries:
         return None
     keys = [
@@ -965,12 +987,16 @@ def _processes_apart(entries: list) -> tuple[str, int, int] | None:
             {_where(ix) for ix in leaf.sharding.devices_indices_map(leaf.shape).values()}, key=repr
         )
     ]
-    mine = np.zeros((2, len(keys)), np.int32)  # (digest, held)
+    mine = np.zeros((2, len(keys) + 1), np.int32)  # (digest, held); last: apart inside
     for k, (i, where) in enumerate(keys):
         found = entries[i][2].get(where)
         if found:
             mine[:, k] = _digest(found[0][1].tobytes()), 1
-    every = distributed.host_allgather(mine)  # (processes, 2, keys)
+    mine[:, -1] = int(inside)
+    every = distributed.host_allgather(mine)  # (processes, 2, keys + 1)
+    flagged = np.flatnonzero(every[:, 0, -1])
+    if flagged.size:
+        return "a value shared by design", int(flagged[0]), -1
     for k, (i, _) in enumerate(keys):
         held = np.flatnonzero(every[:, 1, k])
         digests = every[held, 0, k]
@@ -1062,25 +1088,28 @@ def check_processes_agree(
     )
 
 
-def _first_leaf_apart(leaves: list[str], other: int, most: int = 512) -> str:
+def _first_leaf_apart(leaves: list[str], other: int, window: int = 512) -> str:
     """Where an argument's structure, shapes or dtypes differ between process 0 and process
-    ``other``: the first of its leaves (``path:shape:dtype``, up to ``most``) whose digest
-    differs, as this process holds it. A host all-gather: every process must call it."""
-    mine = np.zeros(most + 1, np.int32)
-    mine[0] = len(leaves)
-    mine[1 : 1 + min(len(leaves), most)] = [_digest(x.encode()) for x in leaves[:most]]
-    every = distributed.host_allgather(mine)
-    apart = np.flatnonzero(every[other, 1:] != every[0, 1:])
-    if not apart.size:
-        return f" (in structure: {every[0, 0]} and {every[other, 0]} leaves)"
-    k = int(apart[0])
-    if k >= len(leaves):
-        return f" in structure: {every[0, 0]} and {every[other, 0]} leaves"
-    path, shape, dtype = leaves[k].rsplit(":", 2)
-    return (
-        f" in structure, shapes or dtypes, first at leaf {k} (here {path or 'the leaf'}: "
-        f"{shape} {dtype})"
-    )
+    ``other``: the first of its leaves (``path:shape:dtype``) whose digest differs, as this
+    process holds it. Host all-gathers of ``window`` digests at a time, until one differs:
+    every process must call it (and makes the same calls, the counts gathered first)."""
+    counts = distributed.host_allgather(np.asarray([len(leaves)], np.int32))[:, 0]
+    for start in range(0, int(counts.max()), window):
+        part = [_digest(x.encode()) for x in leaves[start : start + window]]
+        mine = np.zeros(window, np.int32)
+        mine[: len(part)] = part
+        every = distributed.host_allgather(mine)
+        apart = np.flatnonzero(every[other] != every[0])
+        if apart.size:
+            k = start + int(apart[0])
+            if k >= len(leaves):
+                break
+            path, shape, dtype = leaves[k].rsplit(":", 2)
+            return (
+                f" in structure, shapes or dtypes, first at leaf {k} (here "
+                f"{path or 'the leaf'}: {shape} {dtype})"
+            )
+    return f" in structure ({counts[0]} and {counts[other]} leaves)"
 
 
 PARAMS_CHECKS = 3  # syncs after which a dispatcher compares the workers' params (a read each)
