@@ -340,20 +340,17 @@ def test_workers_that_start_apart_are_caught_once_local_steps_begin(model):
     assert first_b <= at < first_b + 8  # at its first check in phase B
 
 
-def test_one_bit_adam_workers_apart_are_caught_and_their_own_statistics_are_not():
-    """1-bit Adam averages every step, so its params are alike on every worker: the dispatcher
-    compares them at its first check (there is no synchronised point to compare). Only the
-    leaves the optimizer updates: a review found the first version refusing a batch norm's
-    running mean that each worker keeps beside them (the step passes the optimizer
-    ``params["net"]``), which is correct training."""
-    mesh = mesh_of(1)
+def _with_running_mean(tx, schedule):
+    """A step that passes the optimizer ``params["net"]`` and keeps beside it a batch norm's
+    running mean, each worker's own (not averaged): a run of 12 steps from given params, and
+    the params in the worker layout (made anew at each call: a run donates them)."""
     rng = np.random.default_rng(0)
     net = {
         "w1": jnp.asarray(0.3 * rng.standard_normal((16, 32)), jnp.float32),
         "w2": jnp.asarray(0.3 * rng.standard_normal((32, 4)), jnp.float32),
     }
-    dp = ozo.data_parallel(mesh, {"net": net, "bn_mean": jnp.zeros((32,))})
-    tx = dp.optimizer(ozo.onebit_adam(1e-2, axis_name="data", freeze_step=4))
+    dp = ozo.data_parallel(mesh_of(1), {"net": net, "bn_mean": jnp.zeros((32,))})
+    tx = dp.optimizer(tx)
 
     def step(p, s, x, step_kind=None):
         def loss_fn(net):
@@ -368,20 +365,43 @@ def test_one_bit_adam_workers_apart_are_caught_and_their_own_statistics_are_not(
 
     def run(params_w):
         state = dp.init(tx, params_w["net"])
-        train = dp.jit(step, schedule=ozo.onebit_schedule(4))
+        train = dp.jit(step, schedule=schedule)
         for x in batches(12):
             params_w, state, _ = train(params_w, state, x)
         train.settle()
         return params_w
 
-    params_w = run(dp.to_workers({"net": net, "bn_mean": jnp.zeros((32,))}))
-    stats = np.asarray(params_w["bn_mean"])
+    return run, lambda: dp.to_workers({"net": net, "bn_mean": jnp.zeros((32,))})
+
+
+def test_one_bit_adam_workers_apart_are_caught_and_their_own_statistics_are_not():
+    """1-bit Adam averages every step, so its params are alike on every worker: the dispatcher
+    compares them at its first check (there is no synchronised point to compare). Only the
+    leaves the optimizer updates: a review found the first version refusing a batch norm's
+    running mean that each worker keeps beside them, which is correct training."""
+    onebit = ozo.onebit_adam(1e-2, axis_name="data", freeze_step=4)
+    run, fresh = _with_running_mean(onebit, ozo.onebit_schedule(4))
+    stats = np.asarray(run(fresh())["bn_mean"])
     assert np.abs(stats - stats[:1]).max() > 0  # the workers' own statistics, apart
-    apart = dp.to_workers({"net": net, "bn_mean": jnp.zeros((32,))})
     rows = jnp.arange(N, dtype=jnp.float32).reshape(N, 1, 1)
-    apart["net"]["w2"] = apart["net"]["w2"] + 1e-3 * rows
+    params_w = fresh()
+    params_w["net"]["w2"] = params_w["net"]["w2"] + 1e-3 * rows
     with pytest.raises(ValueError, match=r"train apart: the params\['net'\]\['w2'\] .* at step 8"):
-        run(apart)
+        run(params_w)
+
+
+def test_zero_one_adams_params_check_names_a_leaf_the_optimizer_was_not_given():
+    """0/1 Adam's check after a sync reads every float leaf of the params (it is there for a
+    leaf optax.masked passes through, which is not the optimizer's either), so it stops the
+    same step: its error now says that the leaf is not among the optimizer's and what to do
+    if it holds each worker's own values (a review: it only listed wrappers and masks)."""
+    built = dict(var_freeze_step=4, var_update_scaler=2, local_step_scaler=4, local_step_clipper=2)
+    zero_one = ozo.zero_one_adam(1e-2, axis_name="data", **built)
+    run, fresh = _with_running_mean(zero_one, ozo.zero_one_schedule(**built))
+    with pytest.raises(ValueError, match="params differ") as caught:
+        run(fresh())
+    assert "['bn_mean'] is not among the leaves the optimizer was given" in str(caught.value)
+    assert "running statistics" in str(caught.value)
 
 
 def test_a_mismatch_found_by_one_process_stops_every_process(monkeypatch):

@@ -584,7 +584,11 @@ class KindDispatcher:
             if checks_params:
                 self._params_checks += 1
                 try:
-                    check_params_agree(out[self._params_index], counter, self.step, before)
+                    state = out[self._state_index]
+                    layout = flat.find_layout(state)
+                    names = tuple(layout.paths) if layout is not None else ()
+                    params = out[self._params_index]
+                    check_params_agree(params, counter, self.step, before, names)
                 except ValueError as apart:
                     self._explain(out[self._state_index], counter, refused, kind, apart)
                     raise
@@ -937,9 +941,14 @@ def _optimized_leaves(params: Any, counter: Any, layout: Any) -> list[tuple[Any,
         if jnp.issubdtype(leaf.dtype, jnp.floating)  # not a key or counter kept beside them
     ]
     names = tuple(layout.paths) if layout is not None else ()
-    if not names or "" in names:
-        return leaves
-    return [(path, leaf) for path, leaf in leaves if flat._leaf_name(path).endswith(names)]
+    return [(path, leaf) for path, leaf in leaves if _is_optimizers(path, names)]
+
+
+def _is_optimizers(path: Any, names: tuple[str, ...]) -> bool:
+    """Whether a leaf of the params (at ``path``) is one the optimizer updates: its path ends
+    with one of ``names``, the paths of the leaves the optimizer was given (the step may pass
+    it a subtree); any leaf where they are not known."""
+    return not names or "" in names or flat._leaf_name(path).endswith(names)
 
 
 def _raise_apart(name: str, where: str, at: str, hint: str = "") -> None:
@@ -1132,7 +1141,11 @@ def _peaks(params: Any, counter: Any) -> dict[str, float]:
 
 @outside_user_mesh
 def check_params_agree(
-    params: Any, counter: Any, step: int | None = None, before: dict[str, float] | None = None
+    params: Any,
+    counter: Any,
+    step: int | None = None,
+    before: dict[str, float] | None = None,
+    names: tuple[str, ...] = (),
 ) -> None:
     """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
     the rounding of ``x + (xbar - x)`` in their dtype (a few ulps of the larger of ``x`` and
@@ -1140,7 +1153,9 @@ def check_params_agree(
     lands every worker on the synchronised point, unless something after the optimizer changed
     its update or a wrapper skipped it on one worker. A dispatcher that knows where the params
     are calls this after the first :data:`PARAMS_CHECKS` syncs that follow a local step (a
-    read back from the device each, and one of the params before the sync)."""
+    read back from the device each, and one of the params before the sync). ``names``: the
+    paths of the leaves the optimizer was given (its flat layout's), to say so of a leaf that
+    is none of them."""
     for path, leaf in _worker_leaves(params, counter):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
@@ -1167,7 +1182,20 @@ def check_params_agree(
                         "saw this leaf (optax.masked passes a masked-out leaf's own gradient "
                         "through as its update: freeze leaves with optax.multi_transform and "
                         "optax.set_to_zero). docs/usage.md, 'What does not compose'."
+                        + _not_the_optimizers(path, names)
                     )
+
+
+def _not_the_optimizers(path: Any, names: tuple[str, ...]) -> str:
+    """A hint for a leaf of the params that the optimizer does not update (its path ends with
+    none of ``names``), if it is one: a value each worker may keep on its own (a review)."""
+    if _is_optimizers(path, names):
+        return ""
+    return (
+        f" {_checks.leaf_name(path)} is not among the leaves the optimizer was given: if it "
+        "holds values each worker updates on its own (a batch norm's running statistics), "
+        "average them across the data axis at the syncs or keep them out of the params."
+    )
 
 
 def dispatch_by_kind(
