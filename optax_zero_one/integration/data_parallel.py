@@ -722,7 +722,8 @@ def _check_processes_run(lowered: Any, params: Any, opt_state: Any, batch: Any) 
     counter = _graph.step_counter(opt_state)
     step = 0 if counter is None else int(_graph.first_value(counter))
     args = (params, opt_state, batch)
-    dispatch.check_processes_agree(None, step, args, 1, 0, program=lowered.as_text())
+    text = lowered.as_text()
+    dispatch.check_processes_agree(None, step, args, state=1, params=0, program=text)
 
 
 def data_parallel(

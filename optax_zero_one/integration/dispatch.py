@@ -524,8 +524,8 @@ class KindDispatcher:
         self._sync_with(args[self._state_index])
         if not self._agreed:  # before any program that would wait on a process in vain
             # dp.jit's (counts in the program): the params are its first argument and result
-            params = self._params_index if self._counted else None
-            check_processes_agree(self.schedule, self.step, args, self._state_index, params)
+            params_at = self._params_index if self._counted else None
+            check_processes_agree(self.schedule, self.step, args, self._state_index, params_at)
             self._agreed = True
         # before this step's program: an error leaves the caller's state as it was (not donated)
         self._settle_with(args[self._state_index])
@@ -584,11 +584,8 @@ class KindDispatcher:
             if checks_params:
                 self._params_checks += 1
                 try:
-                    state = out[self._state_index]
-                    layout = flat.find_layout(state)
-                    names = tuple(layout.paths) if layout is not None else ()
-                    params = out[self._params_index]
-                    check_params_agree(params, counter, self.step, before, names)
+                    layout = flat.find_layout(out[self._state_index])
+                    check_params_agree(out[self._params_index], counter, self.step, before, layout)
                 except ValueError as apart:
                     self._explain(out[self._state_index], counter, refused, kind, apart)
                     raise
@@ -940,14 +937,14 @@ def _optimized_leaves(params: Any, counter: Any, layout: Any) -> list[tuple[Any,
         for path, leaf in _worker_leaves(params, counter)
         if jnp.issubdtype(leaf.dtype, jnp.floating)  # not a key or counter kept beside them
     ]
-    names = tuple(layout.paths) if layout is not None else ()
-    return [(path, leaf) for path, leaf in leaves if _is_optimizers(path, names)]
+    return [(path, leaf) for path, leaf in leaves if _is_optimizers(path, layout)]
 
 
-def _is_optimizers(path: Any, names: tuple[str, ...]) -> bool:
+def _is_optimizers(path: Any, layout: Any) -> bool:
     """Whether a leaf of the params (at ``path``) is one the optimizer updates: its path ends
-    with one of ``names``, the paths of the leaves the optimizer was given (the step may pass
-    it a subtree); any leaf where they are not known."""
+    with the path of a leaf the optimizer was given (``layout``: the state's flat layout; the
+    step may pass it a subtree); any leaf where they are not known."""
+    names = tuple(layout.paths) if layout is not None else ()
     return not names or "" in names or flat._leaf_name(path).endswith(names)
 
 
@@ -1145,7 +1142,7 @@ def check_params_agree(
     counter: Any,
     step: int | None = None,
     before: dict[str, float] | None = None,
-    names: tuple[str, ...] = (),
+    layout: Any = None,
 ) -> None:
     """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
     the rounding of ``x + (xbar - x)`` in their dtype (a few ulps of the larger of ``x`` and
@@ -1153,9 +1150,9 @@ def check_params_agree(
     lands every worker on the synchronised point, unless something after the optimizer changed
     its update or a wrapper skipped it on one worker. A dispatcher that knows where the params
     are calls this after the first :data:`PARAMS_CHECKS` syncs that follow a local step (a
-    read back from the device each, and one of the params before the sync). ``names``: the
-    paths of the leaves the optimizer was given (its flat layout's), to say so of a leaf that
-    is none of them."""
+    read back from the device each, and one of the params before the sync). ``layout``: the
+    state's flat layout, whose paths are the leaves the optimizer was given, to say so of a
+    leaf that is none of them."""
     for path, leaf in _worker_leaves(params, counter):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
@@ -1182,14 +1179,14 @@ def check_params_agree(
                         "saw this leaf (optax.masked passes a masked-out leaf's own gradient "
                         "through as its update: freeze leaves with optax.multi_transform and "
                         "optax.set_to_zero). docs/usage.md, 'What does not compose'."
-                        + _not_the_optimizers(path, names)
+                        + _not_the_optimizers(path, layout)
                     )
 
 
-def _not_the_optimizers(path: Any, names: tuple[str, ...]) -> str:
+def _not_the_optimizers(path: Any, layout: Any) -> str:
     """A hint for a leaf of the params that the optimizer does not update (its path ends with
-    none of ``names``), if it is one: a value each worker may keep on its own (a review)."""
-    if _is_optimizers(path, names):
+    none of ``layout``'s), if it is one: a value each worker may keep on its own (a review)."""
+    if _is_optimizers(path, layout):
         return ""
     return (
         f" {_checks.leaf_name(path)} is not among the leaves the optimizer was given: if it "
