@@ -50,6 +50,7 @@ SLOW_TESTS = {
     "test_comm_volume.py::test_every_kind_at_a_larger_n_sends_what_the_formulas_say",
     "test_collective.py::test_same_mean_under_every_mapping_and_on_every_worker",
     "test_data_parallel.py::test_two_processes_train_as_one",
+    "test_data_parallel.py::test_two_processes_move_a_model_sharded_state_to_fewer_data_workers",
     "test_data_parallel.py::test_processes_that_build_their_params_apart_are_caught",
     # dp.jit's precompile and a context mesh (~30 s): the dispatcher's own precompile and
     # placement tests in test_step_kinds.py and test_data_parallel.py stay in make test

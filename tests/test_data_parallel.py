@@ -472,13 +472,120 @@ def test_tree_map_params_on_a_model_sharded_state(two_d):
     jax.tree.map(lambda mark, x: None, marked, state)  # a prefix of the state, as shardings are
 
 
-def test_reset_compression_refuses_a_model_sharded_state_clearly(two_d):
-    """Moving dp.optimizer's per-model-shard state to another worker count is not supported;
-    reset_compression said to use dp.synchronized_params, a function not called (an eighth
-    trial). It now says what is not supported and what to do."""
+def test_reset_compression_without_the_helper_refuses_a_model_sharded_state_clearly(two_d):
+    """Plain reset_compression cannot cut the params into dp.optimizer's model shards (it has
+    no specs): it says which call can (it said the move was not supported, before
+    dp.reset_compression existed)."""
     dp, tx, params_w, state, _, _ = two_d
-    with pytest.raises(ValueError, match="model-sharded mesh .* not supported. Resume on the mesh"):
+    with pytest.raises(ValueError, match=r"model-sharded mesh .* dp.reset_compression\(params"):
         ozo.reset_compression(params_w, state, state)
+
+
+def _mesh(data, model):
+    auto = (AUTO, AUTO)
+    devices = jax.devices()[: data * model]
+    return jax.make_mesh((data, model), ("data", "model"), axis_types=auto, devices=devices)
+
+
+def _shard_by_hand(tree, s, shards=2):
+    """Model shard ``s``'s block of each leaf, as SPECS shard it (w1's columns, w2's rows, b
+    whole), cut here by hand: the reference for the helper's own cutting."""
+    w1, w2 = tree["w1"], tree["w2"]
+    c, r = w1.shape[-1] // shards, w2.shape[-2] // shards
+    return {
+        "w1": w1[..., s * c : (s + 1) * c],
+        "w2": w2[..., s * r : (s + 1) * r, :],
+        "b": tree["b"],
+    }
+
+
+def test_dp_reset_compression_moves_a_model_sharded_state_to_fewer_data_workers(two_d, tmp_path):
+    """An elastic restart of a model-sharded run: 0/1 Adam's state saved with Orbax on
+    ("data"=4, "model"=2) in the middle of a local-step interval, restored as host arrays into
+    dp.state_target's structure (built without the old mesh), moved onto (2, 2). Each model
+    shard's state is moved exactly as reset_compression moves a state of its own (the
+    reference, on blocks cut by hand); every new worker starts at the saved run's last
+    synchronised point; the run goes on through the dispatcher, whose checks compare the
+    workers' synchronised points."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    dp, tx, params_w, state, _, _ = two_d
+    assert SCHEDULE.kind(STEPS + 1).name == "local"  # saved between two syncs
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "saved", (params_w, state))
+    checkpointer.wait_until_finished()
+    dp2, tx2, step2, params2 = job.setup(_mesh(2, 2))
+    target = dp2.state_target(make_tx(num_workers=N), params2, N)
+    host = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), target)
+    host_params_w, host_state = checkpointer.restore(tmp_path / "saved", host)
+    assert jax.tree.structure(host_state) == jax.tree.structure(state)
+    fresh = dp2.init(tx2, dp2.to_workers(params2))
+    moved_params, moved = dp2.reset_compression(host_params_w, host_state, fresh)
+
+    point = jax.tree.map(np.asarray, dp.synchronized_params(params_w, state))
+    for worker in range(2):
+        row = jax.tree.map(lambda x, w=worker: x[w], moved_params)
+        jax.tree.map(np.testing.assert_array_equal, row, point)
+    for s in range(2):
+        shard = lambda tree, s=s: jax.tree.map(lambda x: np.asarray(x)[:, s], tree)  # noqa: E731
+        ref_params, ref_state = ozo.reset_compression(
+            _shard_by_hand(host_params_w, s), shard(host_state.inner), shard(fresh.inner)
+        )
+        got = shard(moved.inner)
+        assert jax.tree.structure(got) == jax.tree.structure(ref_state)
+        jax.tree.map(np.testing.assert_array_equal, got, jax.tree.map(np.asarray, ref_state))
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            _shard_by_hand(jax.tree.map(np.asarray, moved_params), s),
+            jax.tree.map(np.asarray, ref_params),
+        )
+    for x, f in zip(jax.tree.leaves(moved), jax.tree.leaves(fresh), strict=True):
+        assert x.sharding == f.sharding and x.shape == f.shape
+
+    train = dp2.jit(step2, schedule=SCHEDULE)
+    for x in batches(8):
+        moved_params, moved, loss = train(moved_params, moved, x)
+        assert np.all(np.isfinite(np.asarray(loss)))
+    counters = ozo.core._graph.step_counter(jax.tree.map(lambda x: x[0], moved))
+    assert np.all(np.asarray(counters) == STEPS + 8)
+
+
+def test_dp_reset_compression_on_a_one_d_mesh_places_the_params_on_it():
+    """Without model axes dp.reset_compression is reset_compression, with the params placed on
+    the helper's mesh in its worker layout (reset_compression alone places them like the
+    state's first leaf)."""
+    one_d = (
+        lambda n: jax.make_mesh(  # noqa: E731
+            (n,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:n]
+        )
+    )
+    run = job.train(one_d(4), 11)
+    saved = jax.tree.map(np.asarray, (run["params_w"], run["state"]))
+    dp2, tx2, step2, params2 = job.setup(one_d(2))
+    fresh = dp2.init(tx2, dp2.to_workers(params2))
+    target = dp2.state_target(make_tx(num_workers=4), params2, 4)  # what a restore reads into
+    assert jax.tree.structure(target) == jax.tree.structure(saved)
+    shapes = lambda tree: [(np.shape(x), x.dtype) for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert shapes(target) == shapes(saved)
+    params_w, state = dp2.reset_compression(*saved, fresh)
+    want_params, want_state = ozo.reset_compression(*saved, fresh)
+    jax.tree.map(np.testing.assert_array_equal, (params_w, state), (want_params, want_state))
+    for x in jax.tree.leaves(params_w):
+        assert x.sharding.is_equivalent_to(NamedSharding(dp2.mesh, P("data")), x.ndim)
+    point = run["dp"].synchronized_params(run["params_w"], run["state"])
+    jax.tree.map(np.testing.assert_array_equal, dp2.synchronized_params(params_w, state), point)
+
+
+def test_dp_reset_compression_refuses_model_axes_of_another_size(two_d):
+    """The model shards' blocks and scales follow the model axes: a state of 2 model shards
+    onto a mesh of 4 is refused, naming both counts, before anything is moved."""
+    dp, tx, params_w, state, _, _ = two_d
+    dp4, tx4, _, params4 = job.setup(_mesh(2, 4))
+    fresh = dp4.init(tx4, dp4.to_workers(params4))
+    with pytest.raises(
+        ValueError,
+        match=r"holds 2 model shards, this mesh 4 \(the product of \('model',\)\): the model",
+    ):
+        dp4.reset_compression(params_w, state, fresh)
 
 
 def test_two_d_mesh_keeps_params_and_state_sharded(two_d):
@@ -925,6 +1032,24 @@ def test_two_processes_train_as_one(tmp_path):
     assert losses[-1] < 0.5 * losses[0]
     for key, want in evaluated.items():
         np.testing.assert_allclose(parts[0][key], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_two_processes_move_a_model_sharded_state_to_fewer_data_workers(tmp_path):
+    """dp.reset_compression in a job of 2 processes x 4 devices: the ("data"=4, "model"=2)
+    run's state, spanning both processes, moved onto ("data"=2, "model"=2) over two devices of
+    each. Each process gets the move of host copies (the fresh state's rows, which span the
+    model devices of other processes, are gathered), the new workers start at the saved run's
+    synchronised point, and 4 dispatched steps follow (the dispatcher compares the workers
+    across processes)."""
+    output, _ = _two_processes(tmp_path, "--reset").communicate(timeout=300)
+    assert "Traceback" not in output, output[-5000:]
+    parts = [dict(np.load(tmp_path / f"reset_p{r}.npz")) for r in range(2)]
+    for part in parts:
+        assert bool(part["same_as_from_host"])
+        assert np.all(np.isfinite(part["losses"]))
+        for key in ("w1", "w2", "b"):
+            np.testing.assert_array_equal(part[f"after_{key}"], part[f"before_{key}"])
+    np.testing.assert_array_equal(parts[0]["losses"], parts[1]["losses"])
 
 
 def test_a_context_mesh_changes_nothing():

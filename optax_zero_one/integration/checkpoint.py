@@ -312,6 +312,20 @@ def reset_compression(
     References:
       Lu et al., 0/1 Adam, arXiv:2202.06009; DeepSpeed's load path resets the same buffers.
     """
+    return _reset(params, opt_state, fresh_state, sharding)
+
+
+def _reset(
+    params: Any,
+    opt_state: Any,
+    fresh_state: Any,
+    sharding: jax.sharding.Sharding | None = None,
+    shards: Any = None,
+) -> tuple[Any, Any]:
+    """:func:`reset_compression`; ``shards`` (from :meth:`DataParallel.reset_compression`)
+    cuts the params into the model shards of a model-sharded state (``count``, ``local(params,
+    s)``, ``state(state, s)``, ``synchronized_params(params, state)``); with it, the params are
+    returned as one worker's tree on the host, for the caller to place."""
     # moved by position: the leaves must be the tree's, and fresh_state's
     wrappers.check_leaf_keys(opt_state, fresh_state)
     if _graph.state_nodes(opt_state) and not _graph.state_nodes(fresh_state):
@@ -321,13 +335,13 @@ def reset_compression(
             "fresh_state), e.g. jax.vmap(tx.init, axis_name=...)(ozo.replicate(params, M)) for "
             "M workers."
         )
-    if _graph.nodes_of(opt_state, workers.ShardLocalState):
+    if shards is None and _graph.nodes_of(opt_state, workers.ShardLocalState):
         raise ValueError(
             "reset_compression got the state of DataParallel.optimizer on a model-sharded mesh "
-            "(one state per model shard, each with its own compression scales): moving it to "
-            "another worker count is not supported. Resume on the mesh it was saved on (the "
-            "same data and model axes), or start the new run's optimizer state afresh from the "
-            "params (dp.synchronized_params gives the last synchronised point)."
+            "(one state per model shard, each with its own compression scales): it needs the "
+            "params' shardings to cut the params into those shards. Call the new run's "
+            "dp.reset_compression(params, opt_state, fresh_state) instead (the DataParallel "
+            "of the mesh you resume on; its model axes must have the sizes they had)."
         )
     # one worker's trees (axis_name=None: no worker axis) go through as one row
     if _one_worker((params, opt_state)):
@@ -340,9 +354,17 @@ def reset_compression(
     full = jax.tree.map(_on_host, opt_state)
     first = jax.tree.map(lambda x: x[0], full)
     fresh0 = jax.tree.map(_first_row, fresh_state)
-    _check_worker_params(jax.tree.map(_row_shape, params), first)
-    params0 = workers.synchronized_params(jax.tree.map(lambda x: _on_host(x)[0], params), first)
-    state0 = Move(params0)(first, full, fresh0)
+    row = jax.tree.map(lambda x: _on_host(x)[0], params)
+    if shards is None:
+        _check_worker_params(jax.tree.map(_row_shape, params), first)
+        params0 = workers.synchronized_params(row, first)
+    else:
+        for s in range(shards.count):
+            local = shards.local(row, s)
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), local)
+            _check_worker_params(shapes, shards.state(first, s))
+        params0 = shards.synchronized_params(row, first)
+    state0 = Move(params0, shards)(first, full, fresh0)
     placements = [getattr(x, "sharding", None) for x in jax.tree.leaves(fresh_state)]
     leaves, treedef = jax.tree.flatten(state0)
     if treedef != jax.tree.structure(fresh_state):
@@ -359,6 +381,8 @@ def reset_compression(
     )
     if one_out:
         return jax.tree.map(jnp.asarray, params0), jax.tree.map(lambda x: x[0], state)
+    if shards is not None:
+        return params0, state
     sharding = sharding or next((s for s in placements if s is not None), None)
     return workers.replicate(params0, num_workers, sharding), state
 
@@ -374,8 +398,11 @@ class Move:
     0's value. This module knows no state class.
     """
 
-    def __init__(self, params: Any):
+    def __init__(self, params: Any, shards: Any = None):
         self.params = params
+        # how to cut ``params`` into the model shards of a model-sharded state (None: no such
+        # state expected); read by that state's hook
+        self.shards = shards
 
     def __call__(self, old: Any, every: Any, fresh: Any) -> Any:
         if hasattr(fresh, "_fields") and type(old) is not type(fresh):
@@ -418,7 +445,10 @@ def _first_row(x: Any) -> np.ndarray:
     """Row 0 of a fresh state's leaf, read where this process holds it: every worker's row of
     a state as ``init`` makes it is the same (no collective, nor the whole state on the host)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_shards[0].data
+        block = x.addressable_shards[0].data
+        if block.shape[1:] != x.shape[1:]:  # a model-sharded row: gathered (every process calls)
+            return _on_host(x)[0]
+        x = block
     return np.asarray(x)[0]
 
 

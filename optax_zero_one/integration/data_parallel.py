@@ -707,6 +707,151 @@ class DataParallel:
 
         return self._program(("synchronized_params",), make)(params, opt_state)
 
+    def state_target(
+        self, tx: optax.GradientTransformation, params: Any, num_workers: int
+    ) -> tuple[Any, Any]:
+        """What a run of ``num_workers`` data workers saved, as ``jax.ShapeDtypeStruct``\\ s
+        without shardings: the params in its worker layout and ``dp.optimizer(tx)``'s state
+        (``dp.init``'s), built without that run's mesh (which a smaller restart cannot make).
+        The restore target for :meth:`reset_compression`, e.g. as host arrays:
+        ``jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), target)``.
+
+        Args:
+          tx: the saved run's optimizer as given to ``dp.optimizer``, built for
+            ``num_workers`` (its ``num_workers=`` argument, e.g. ``ozo.zero_one_adam(...,
+            axis_name="data", num_workers=4)``), with the saved run's other arguments (the
+            state's structure follows them).
+          params: this helper's params in the user's layout (arrays or shapes).
+          num_workers: the saved run's number of data workers; its model axes had this
+            mesh's sizes (the only move :meth:`reset_compression` makes).
+        """
+        _checks.check_int("num_workers", num_workers, 1)
+        _check_structure(params, self.param_specs, "params", "the params given to data_parallel")
+        shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
+        params = jax.tree.map(shape, params)
+        stacked = lambda x, *lead: jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype)  # noqa: E731
+        params_w = jax.tree.map(lambda x: stacked(x, num_workers), params)
+        if not self.model_sharded:
+            state = jax.eval_shape(tx.init, params)
+            return params_w, jax.tree.map(lambda x: stacked(x, num_workers), state)
+        shards = _ModelShards(self)
+        values, treedef = jax.tree.flatten(params)
+        for (path, x), spec in zip(
+            jax.tree_util.tree_leaves_with_path(params), shards.specs, strict=True
+        ):
+            self._check_divides(path, x.shape, spec)
+        local = [
+            jax.ShapeDtypeStruct(shards.block_shape(x.shape, spec), x.dtype)
+            for x, spec in zip(values, shards.specs, strict=True)
+        ]
+        inner = jax.eval_shape(tx.init, jax.tree.unflatten(treedef, local))
+        inner = jax.tree.map(lambda x: stacked(x, num_workers, shards.count), inner)
+        return params_w, ShardLocalState(inner)
+
+    def reset_compression(self, params: Any, opt_state: Any, fresh_state: Any) -> tuple[Any, Any]:
+        """:func:`~optax_zero_one.reset_compression` onto this helper's mesh: a state restored
+        from a run with another number of data workers moved to this one's, continuing from the
+        last synchronised point with fresh compression buffers and the mean momentum.
+
+        On a model-sharded mesh (``dp.optimizer``: one optimizer state per model shard) each
+        shard's state is moved as a state of its own, from its block of the params; the model
+        axes must have the sizes they had in the saved run (from ``("data"=4, "model"=2)`` onto
+        ``(2, 2)``, not onto ``(4, 1)``). Elsewhere it is ``reset_compression`` with the
+        params placed on this mesh.
+
+        Args:
+          params: the saved run's params in its worker layout (leading axis: its data-worker
+            count), restored e.g. as host arrays (the saved run's mesh need not exist).
+          opt_state: the matching optimizer state, restored for that worker count.
+          fresh_state: this run's state as ``dp.init(tx, params_w)`` makes it.
+
+        Returns:
+          ``(params_w, opt_state)`` in this mesh's worker layout, ready for ``dp.jit``'s step.
+
+        In a job of several processes every process calls it with the same arguments.
+        """
+        from optax_zero_one.integration import checkpoint  # checkpoint imports workers only
+
+        self.check_worker_layout(fresh_state, "fresh_state")
+        if not self.model_sharded:
+            where = NamedSharding(self.mesh, P(self.data_axis))
+            return checkpoint.reset_compression(params, opt_state, fresh_state, sharding=where)
+        _check_structure(params, self.param_specs, "params", "the params given to data_parallel")
+        found = _graph.nodes_of(opt_state, ShardLocalState)
+        if len(found) != 1:
+            raise ValueError(
+                f"opt_state holds {len(found)} states of dp.optimizer (ShardLocalState); a "
+                "model-sharded run's state holds one: pass the state dp.init made, as restored."
+            )
+        shards = _ModelShards(self)
+        saved = {np.shape(x)[1] for x in jax.tree.leaves(found[0].inner) if np.ndim(x) > 1}
+        if saved != {shards.count}:
+            raise ValueError(
+                f"the restored state holds {'/'.join(map(str, sorted(saved)))} model shards, "
+                f"this mesh {shards.count} (the product of {self.other_axes}): the model axes "
+                "must keep their sizes (only the data axis may change). Resume on a mesh with "
+                "the model axes the state was saved with, or start the optimizer afresh from "
+                "dp.synchronized_params of the restored run."
+            )
+        params0, state = checkpoint._reset(params, opt_state, fresh_state, shards=shards)
+        return self.to_workers(params0), state
+
+
+class _ModelShards:
+    """How a model-sharded state's shards map to blocks of the params, on the host
+    (:meth:`DataParallel.reset_compression`). Shard ``s`` is entry ``s`` of the state's
+    stacked axis (``P(other_axes)``: the other axes' coordinates in mesh order, the last
+    fastest); its block of a leaf is the one ``NamedSharding(mesh, spec)`` gives a device
+    with those coordinates."""
+
+    def __init__(self, helper: DataParallel):
+        mesh, others = helper.mesh, helper.other_axes
+        self.count = math.prod(mesh.shape[a] for a in others)
+        self.specs = jax.tree.leaves(helper.param_specs, is_leaf=lambda x: isinstance(x, P))
+        self._mesh = mesh
+        names = list(mesh.axis_names)
+        self._devices = []  # one device per shard: data coordinates 0
+        for s in range(self.count):
+            at = dict(zip(others, np.unravel_index(s, [mesh.shape[a] for a in others])))
+            index = tuple(int(at.get(a, 0)) for a in names)
+            self._devices.append(mesh.devices[index])
+
+    def _blocks(self, shape: tuple, spec: P) -> list[tuple]:
+        where = NamedSharding(self._mesh, spec).devices_indices_map(tuple(shape))
+        return [where[d] for d in self._devices]
+
+    def block_shape(self, shape: tuple, spec: P) -> tuple[int, ...]:
+        """The shape of a leaf's block on one shard (every shard's is the same)."""
+        index = self._blocks(shape, spec)[0]
+        return tuple(len(range(*i.indices(n))) for i, n in zip(index, shape, strict=True))
+
+    def local(self, params: Any, s: int) -> Any:
+        """Shard ``s``'s block of every leaf of one worker's ``params`` (host arrays)."""
+        values, treedef = jax.tree.flatten(params)
+        blocks = [
+            np.asarray(x)[self._blocks(np.shape(x), spec)[s]]
+            for x, spec in zip(values, self.specs, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, blocks)
+
+    def state(self, state: Any, s: int) -> Any:
+        """Shard ``s``'s inner state in one worker's ``state``."""
+        (node,) = _graph.nodes_of(state, ShardLocalState)
+        return jax.tree.map(lambda x: np.asarray(x)[s], node.inner)
+
+    def synchronized_params(self, params: Any, state: Any) -> Any:
+        """The last synchronised point of one worker's ``params``, each shard's block from its
+        own state (a replicated leaf's blocks are the same on every shard)."""
+        values, treedef = jax.tree.flatten(params)
+        out = [np.array(x) for x in values]
+        for s in range(self.count):
+            point = jax.tree.leaves(
+                workers.synchronized_params(self.local(params, s), self.state(state, s))
+            )
+            for whole, block, spec in zip(out, point, self.specs, strict=True):
+                whole[self._blocks(whole.shape, spec)[s]] = block
+        return jax.tree.unflatten(treedef, out)
+
 
 def _check_processes_run(lowered: Any, params: Any, opt_state: Any, batch: Any) -> None:
     """With several processes, before a step without a schedule first runs: raises

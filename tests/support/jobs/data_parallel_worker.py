@@ -45,14 +45,18 @@ def host_params(seed: int = 0, width: int = 32) -> dict[str, np.ndarray]:
     }
 
 
-def make_tx(freeze: int = 6, onebit: bool = False) -> optax.GradientTransformationExtraArgs:
+def make_tx(
+    freeze: int = 6, onebit: bool = False, num_workers: int | None = None
+) -> optax.GradientTransformationExtraArgs:
     """0/1 Adam whose 14 steps take the kinds 0 0 1 0 1 0 3 3 3 3 2 3 2 3 (every kind);
-    ``onebit``: 1-bit Adam, compressed from step ``freeze`` on."""
+    ``onebit``: 1-bit Adam, compressed from step ``freeze`` on; ``num_workers``: built for that
+    many data workers (to init outside the mesh)."""
     if onebit:
-        return ozo.onebit_adam(1e-2, axis_name="data", freeze_step=freeze)
+        return ozo.onebit_adam(1e-2, axis_name="data", freeze_step=freeze, num_workers=num_workers)
     return ozo.zero_one_adam(
         1e-2,
         axis_name="data",
+        num_workers=num_workers,
         var_freeze_step=freeze,
         var_update_scaler=2,
         local_step_scaler=4,
@@ -138,6 +142,50 @@ def evaluation(run: dict) -> dict[str, np.ndarray]:
     return {k: np.asarray(v.addressable_data(0)) for k, v in replicated.items()}
 
 
+def reset(run: dict, out: pathlib.Path, rank: int) -> None:
+    """Moves ``run``'s state (arrays that span every process) onto ("data"=2, "model"=2), two
+    devices of each process, and trains 4 more steps there (dispatched: the dispatcher compares
+    the workers across processes). Writes the evaluation params before and after the move, the
+    losses after it, and whether the move equals the same move from host copies."""
+    from jax.experimental import multihost_utils
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    by_process = [[d for d in devices if d.process_index == p][:2] for p in (0, 1)]
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh(
+        (2, 2), ("data", "model"), axis_types=auto, devices=by_process[0] + by_process[1]
+    )
+    dp, tx, step, params = setup(mesh)
+    fresh = dp.init(tx, dp.to_workers(params))
+    moved = dp.reset_compression(run["params_w"], run["state"], fresh)
+    gathered = lambda x: multihost_utils.process_allgather(x, tiled=True)  # noqa: E731
+    from_host = dp.reset_compression(
+        *jax.tree.map(gathered, (run["params_w"], run["state"])), fresh
+    )
+    same = all(
+        np.array_equal(a.data, b.data)
+        for x, y in zip(jax.tree.leaves(moved), jax.tree.leaves(from_host), strict=True)
+        for a, b in zip(x.addressable_shards, y.addressable_shards, strict=True)
+    )
+    after = evaluation(dict(dp=dp, params_w=moved[0], state=moved[1]))
+    before = evaluation(run)
+    train_step = dp.jit(step, schedule=SCHEDULE)
+    params_w, state = moved
+    mean = jax.jit(jnp.mean, out_shardings=NamedSharding(mesh, P()))
+    losses = []
+    for x in batches(4):
+        params_w, state, loss = jax.block_until_ready(train_step(params_w, state, x))
+        losses.append(float(np.asarray(mean(loss).addressable_data(0))))
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(
+        out / f"reset_p{rank}.npz",
+        same_as_from_host=same,
+        losses=losses,
+        **{f"before_{k}": v for k, v in before.items()},
+        **{f"after_{k}": v for k, v in after.items()},
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -154,8 +202,16 @@ def main() -> None:
         "--in-graph", action="store_true", help="dp.jit without a schedule (with --differ)"
     )
     parser.add_argument("--onebit", action="store_true", help="1-bit Adam (--seed-per-process)")
+    parser.add_argument(
+        "--reset",
+        action="store_true",
+        help="move the trained state onto ('data'=2, 'model'=2) with dp.reset_compression",
+    )
     args = parser.parse_args()
     job = ozo.initialize_from_env()
+    if args.reset:
+        reset(train(job_mesh()), args.out, job.process_id)
+        return
     if args.seed_per_process:  # dispatched: the dispatcher compares the workers
         onebit = dict(onebit=True, freeze=4) if args.onebit else {}
         schedule = ozo.onebit_schedule(4) if args.onebit else SCHEDULE
