@@ -381,7 +381,8 @@ def test_one_bit_adam_workers_apart_are_caught_and_their_own_statistics_are_not(
     running mean that each worker keeps beside them, which is correct training."""
     onebit = ozo.onebit_adam(1e-2, axis_name="data", freeze_step=4)
     run, fresh = _with_running_mean(onebit, ozo.onebit_schedule(4))
-    stats = np.asarray(run(fresh())["bn_mean"])
+    with pytest.warns(UserWarning, match=r"the params \['bn_mean'\] learn from each worker's"):
+        stats = np.asarray(run(fresh())["bn_mean"])  # warned, as each worker's own: ignore it
     assert np.abs(stats - stats[:1]).max() > 0  # the workers' own statistics, apart
     rows = jnp.arange(N, dtype=jnp.float32).reshape(N, 1, 1)
     params_w = fresh()
@@ -1050,6 +1051,53 @@ def test_two_processes_move_a_model_sharded_state_to_fewer_data_workers(tmp_path
         for key in ("w1", "w2", "b"):
             np.testing.assert_array_equal(part[f"after_{key}"], part[f"before_{key}"])
     np.testing.assert_array_equal(parts[0]["losses"], parts[1]["losses"])
+
+
+@pytest.mark.parametrize("dispatched", [False, True])
+def test_a_plain_optimizer_beside_ours_is_warned_about_at_the_first_compile(dispatched):
+    """optax.adamw on the bias beside 0/1 Adam in an optax.multi_transform (a trial: "no
+    decay on the biases") got each worker's own gradient, and the workers' biases parted
+    silently: without a schedule for good, dispatched until the first sync after local steps
+    (never, with 1-bit Adam). dp.jit now warns at each program's first compile, naming the
+    leaves that learn from the batch through no collective where the others are averaged. A
+    leaf frozen by optax.set_to_zero and the optimizer's own leaves are not warned about."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    params = host_params()
+    labels = {"w1": "ours", "w2": "ours", "b": "other"}
+
+    def first_step(other):
+        dp = ozo.data_parallel(mesh, params)
+        tx = optax.multi_transform({"ours": make_tx(), "other": other}, labels)
+
+        def step(p, s, x, step_kind=None):
+            loss, g = jax.value_and_grad(loss_fn)(p, x)
+            u, s = tx.update(g, s, p, **({"step_kind": step_kind} if dispatched else {}))
+            return optax.apply_updates(p, u), s, loss
+
+        p = dp.to_workers(params)
+        train = dp.jit(step, schedule=SCHEDULE if dispatched else None)
+        return train(p, dp.init(tx, p), batches(1)[0])
+
+    with pytest.warns(UserWarning, match=r"the params \['b'\] learn from each worker's share"):
+        first_step(optax.adamw(1e-2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first_step(optax.set_to_zero())
+
+
+@pytest.mark.parametrize("schedule", [None, SCHEDULE])
+def test_a_step_called_with_other_arguments_says_how_to_call_it(schedule):
+    """A trial passed the batch as two arguments and read "program() takes 3 positional
+    arguments but 4 were given", naming an inner function of dp.jit: the error now says how
+    the step is called."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    dp, tx, step, params = job.setup(mesh)
+    p = dp.to_workers(params)
+    s = dp.init(tx, p)
+    x = batches(1)[0]
+    train = dp.jit(step, schedule=schedule)
+    with pytest.raises(TypeError, match=r"called as train\(params_w, opt_state, batch\), .* got 4"):
+        train(p, s, x, x)
 
 
 def test_a_context_mesh_changes_nothing():

@@ -558,7 +558,16 @@ class DataParallel:
             first: list[Any] = [None]
             compiling = threading.Lock()  # two threads' first calls compile once
 
-            def program(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+            def program(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+                if len(args) != 3 or kwargs:
+                    got = f"{len(args)} positional" + (f" and {', '.join(kwargs)}=" * bool(kwargs))
+                    raise TypeError(
+                        "dp.jit's step is called as train(params_w, opt_state, batch), with "
+                        f"three arguments by position; got {got}. The batch may be any tree "
+                        "(pass several arrays as one tuple or dict); the step_kind comes from "
+                        "the dispatcher (dp.jit(step, schedule=...)), not from the call."
+                    )
+                params, opt_state, batch = args
                 _check_not_donated(params, opt_state)
                 if first[0] is not None:
                     try:
@@ -573,6 +582,7 @@ class DataParallel:
                         keep(params, opt_state)
                         traced = mapped[0].trace(params, opt_state, batch)
                         lowered = traced.lower()
+                        self._warn_if_leaves_apart(traced.jaxpr, params, opt_state)
                         if kind is None:
                             sizes = [len(jax.tree.leaves(t)) for t in (params, opt_state)]
                             self._warn_if_no_mean(traced.jaxpr, *sizes)
@@ -650,6 +660,48 @@ class DataParallel:
             f"(ozo.zero_one_adam(..., {built})). If the workers train apart on purpose (local "
             "steps you average in another program), ignore this warning.",
             stacklevel=3,
+        )
+
+    def _warn_if_leaves_apart(self, closed: Any, params: Any, opt_state: Any) -> None:
+        """Warns if some params the step returns depend on a collective over the data axis
+        and others depend on the batch through none: those go their own way on every worker.
+        A plain optax optimizer beside ours in an ``optax.multi_transform`` (``optax.adamw``
+        on the biases, given each worker's own gradients) trained so silently (a trial), where
+        every leaf of the optimizer's own was averaged; a whole step without any collective is
+        :meth:`_warn_if_no_mean`'s, a leaf that does not learn from the batch (frozen by
+        ``optax.set_to_zero``) is not warned about. Read from the traced program at each
+        program's first compile (every step kind's: a local step's, which exchanges nothing,
+        is never mixed)."""
+        if self.num_workers < 2:
+            return
+        body = closed.jaxpr
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        skip = len(leaves) + len(jax.tree.leaves(opt_state))
+        axes = frozenset(self.data_axes)
+        # the batch's inputs carry a marker that no axis name can be
+        given = [frozenset({_BATCH} if i >= skip else ()) for i in range(len(body.invars))]
+        exchanged = _exchanged_axes(body, axes | {_BATCH}, given)[: len(leaves)]
+        if not any(got >= axes for got in exchanged):
+            return
+        apart = [
+            _checks.leaf_name(path)
+            for (path, _), got in zip(leaves, exchanged, strict=True)
+            if _BATCH in got and not got >= axes
+        ]
+        if not apart:
+            return
+        shown = ", ".join(apart[:5]) + (f" and {len(apart) - 5} more" if len(apart) > 5 else "")
+        warnings.warn(
+            f"dp.jit: the params {shown} learn from each worker's share of the batch with no "
+            f"collective over the data axis {self.data_axis!r}, where the others are averaged: "
+            "each worker's copy of them goes its own way, and nothing brings them back (e.g. "
+            "optax.adamw for the biases in an optax.multi_transform beside the compressing "
+            "optimizer, given each worker's own gradients). Give them a compressing optimizer "
+            "of their own (the same one, under another label; or weight_decay_mask= to keep the "
+            "decay off them), or average their gradients first (jax.lax.pmean(grads, "
+            f"{self.data_axis!r})). If they are each worker's own statistics on purpose (a "
+            "batch norm's running mean), ignore this warning.",
+            stacklevel=4,
         )
 
     def _check_batch(self, batch: Any) -> None:
@@ -1007,6 +1059,7 @@ def _checked_step(
 
 # Primitives that name a mesh axis without moving data between its devices.
 _NOT_EXCHANGES = frozenset({"axis_index", "pvary", "pcast"})
+_BATCH = object()  # _warn_if_leaves_apart's marker of what depends on the batch
 # Calls whose one inner jaxpr maps their inputs to their outputs one to one (no loop carry),
 # followed into exactly; any other nested jaxpr (loops, conditionals) counts whole.
 _CALLS = frozenset(
@@ -1065,6 +1118,24 @@ def _mean_axes(jaxpr: Any, outs: list, axes: frozenset[str]) -> set[str]:
             got |= _axes_in(eqn, axes)
         want |= {v for v in eqn.invars if isinstance(v, jex.Var)}
     return got
+
+
+def _exchanged_axes(jaxpr: Any, axes: frozenset[str], given: list | None = None) -> list:
+    """For each output of ``jaxpr``: the axes of ``axes`` over which a collective it depends
+    on exchanges (``given``: those each input already depends on). One pass forward, followed
+    into calls exactly; a loop's or conditional's outputs each depend on all of it."""
+    seen: dict = dict(zip(jaxpr.invars, given or [frozenset()] * len(jaxpr.invars)))
+    read = lambda v: seen.get(v, frozenset()) if isinstance(v, jex.Var) else frozenset()  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        body = _call_body(eqn)
+        if body is not None:
+            outs = _exchanged_axes(body, axes, ins)
+        else:
+            whole = frozenset().union(*ins) | frozenset(_axes_in(eqn, axes))
+            outs = [whole] * len(eqn.outvars)
+        seen.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _passed_through(jaxpr: Any, out: Any, made: dict | None = None) -> int | None:
