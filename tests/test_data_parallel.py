@@ -576,6 +576,69 @@ def test_dp_reset_compression_on_a_one_d_mesh_places_the_params_on_it():
     jax.tree.map(np.testing.assert_array_equal, dp2.synchronized_params(params_w, state), point)
 
 
+def test_dp_reset_compression_moves_bfloat16_params_with_a_scalar_leaf():
+    """A bfloat16 model with a scalar leaf (a learned scale) crashed the move: the shards'
+    synchronised blocks were written into a 0-d bfloat16 host array as JAX arrays, which
+    NumPy refuses ("expected number"; a review). Moved after 3 steps, every new worker starts
+    at the saved run's synchronised point."""
+    specs = {"w": P(None, "model"), "s": P()}
+    host = {"w": np.linspace(-1, 1, 16 * 8).reshape(16, 8), "s": np.asarray(1.5)}
+    host = jax.tree.map(lambda x: x.astype(jnp.bfloat16), host)
+
+    def build(mesh):
+        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+        dp = ozo.data_parallel(mesh, params)
+        tx = dp.optimizer(make_tx())
+
+        def step(p, s, x, step_kind=None):
+            loss = lambda p: jnp.mean((x @ p["w"].astype(jnp.float32) * p["s"]) ** 2)  # noqa: E731
+            u, s = tx.update(jax.grad(loss)(p), s, p, step_kind=step_kind)
+            return optax.apply_updates(p, u), s, None
+
+        return dp, tx, step, params
+
+    dp, tx, step, params = build(_mesh(4, 2))
+    p = dp.to_workers(params)
+    s = dp.init(tx, p)
+    train = dp.jit(step, schedule=SCHEDULE)
+    for x in batches(3):
+        p, s, _ = train(p, s, x)
+    dp2, tx2, _, params2 = build(_mesh(2, 2))
+    moved, state = dp2.reset_compression(
+        *jax.tree.map(np.asarray, (p, s)), dp2.init(tx2, dp2.to_workers(params2))
+    )
+    point = jax.tree.map(np.asarray, dp.synchronized_params(p, s))
+    jax.tree.map(np.testing.assert_array_equal, dp2.synchronized_params(moved, state), point)
+    assert moved["s"].dtype == jnp.bfloat16 and moved["s"].shape == (2,)
+
+
+def test_state_target_is_what_the_saved_run_wrote_and_checks_its_worker_count(two_d):
+    """dp.state_target builds, without the saved run's mesh, the structure and shapes of its
+    params and state: for dp.optimizer's state alone and for the optimizer as given to
+    dp.init with a clip chained before dp.optimizer (a review: only the first was built); a
+    tx built for another worker count than num_workers is refused (Orbax failed later, its
+    hint the strict=False that the docs forbid); so are params in the worker layout."""
+    dp, _, params_w, _, _, _ = two_d
+    dp2, _, _, params2 = job.setup(_mesh(2, 2))
+
+    def clipped(helper, **built):
+        return optax.chain(optax.clip_by_global_norm(1.0), helper.optimizer(make_tx(**built)))
+
+    shapes = lambda tree: [(np.shape(x), x.dtype) for x in jax.tree.leaves(tree)]  # noqa: E731
+    for old_tx, new_tx in (
+        (dp.optimizer(make_tx()), make_tx(num_workers=N)),
+        (clipped(dp), clipped(dp2, num_workers=N)),
+    ):
+        saved = jax.eval_shape(lambda p, t=old_tx: (p, dp.init(t, p)), params_w)
+        target = dp2.state_target(new_tx, params2, N)
+        assert jax.tree.structure(target) == jax.tree.structure(saved)
+        assert shapes(target) == shapes(saved)
+    with pytest.raises(ValueError, match="tx was built for 4 workers, but num_workers=2"):
+        dp2.state_target(make_tx(num_workers=N), params2, 2)
+    with pytest.raises(ValueError, match="in the worker layout"):
+        dp2.state_target(make_tx(num_workers=N), dp2.to_workers(params2), N)
+
+
 def test_dp_reset_compression_refuses_model_axes_of_another_size(two_d):
     """The model shards' blocks and scales follow the model axes: a state of 2 model shards
     onto a mesh of 4 is refused, naming both counts, before anything is moved."""
@@ -1053,14 +1116,16 @@ def test_two_processes_move_a_model_sharded_state_to_fewer_data_workers(tmp_path
     np.testing.assert_array_equal(parts[0]["losses"], parts[1]["losses"])
 
 
-@pytest.mark.parametrize("dispatched", [False, True])
-def test_a_plain_optimizer_beside_ours_is_warned_about_at_the_first_compile(dispatched):
+@pytest.mark.parametrize("how", ["in-graph", "dispatched", "precompiled"])
+def test_a_plain_optimizer_beside_ours_is_warned_about_at_the_first_compile(how):
     """optax.adamw on the bias beside 0/1 Adam in an optax.multi_transform (a trial: "no
     decay on the biases") got each worker's own gradient, and the workers' biases parted
     silently: without a schedule for good, dispatched until the first sync after local steps
     (never, with 1-bit Adam). dp.jit now warns at each program's first compile, naming the
-    leaves that learn from the batch through no collective where the others are averaged. A
-    leaf frozen by optax.set_to_zero and the optimizer's own leaves are not warned about."""
+    leaves that learn from the batch through no collective where the others are averaged, and
+    when precompiled too (a review found that path silent). A leaf frozen by
+    optax.set_to_zero and the optimizer's own leaves are not warned about."""
+    dispatched = how != "in-graph"
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
     params = host_params()
     labels = {"w1": "ours", "w2": "ours", "b": "other"}
@@ -1076,7 +1141,10 @@ def test_a_plain_optimizer_beside_ours_is_warned_about_at_the_first_compile(disp
 
         p = dp.to_workers(params)
         train = dp.jit(step, schedule=SCHEDULE if dispatched else None)
-        return train(p, dp.init(tx, p), batches(1)[0])
+        s = dp.init(tx, p)
+        if how == "precompiled":
+            train.precompile(p, s, batches(1)[0])
+        return train(p, s, batches(1)[0])
 
     with pytest.warns(UserWarning, match=r"the params \['b'\] learn from each worker's share"):
         first_step(optax.adamw(1e-2))

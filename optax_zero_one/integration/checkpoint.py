@@ -326,6 +326,14 @@ def _reset(
     cuts the params into the model shards of a model-sharded state (``count``, ``local(params,
     s)``, ``state(state, s)``, ``synchronized_params(params, state)``); with it, the params are
     returned as one worker's tree on the host, for the caller to place."""
+    if shards is None and _graph.nodes_of(opt_state, workers.ShardLocalState):
+        raise ValueError(
+            "reset_compression got the state of DataParallel.optimizer on a model-sharded mesh "
+            "(one state per model shard, each with its own compression scales): it needs the "
+            "params' shardings to cut the params into those shards. Call the new run's "
+            "dp.reset_compression(params, opt_state, fresh_state) instead (the DataParallel "
+            "of the mesh you resume on; its model axes must have the sizes they had)."
+        )
     # moved by position: the leaves must be the tree's, and fresh_state's
     wrappers.check_leaf_keys(opt_state, fresh_state)
     if _graph.state_nodes(opt_state) and not _graph.state_nodes(fresh_state):
@@ -334,14 +342,6 @@ def _reset(
             "initialised optimizer state third, reset_compression(params, opt_state, "
             "fresh_state), e.g. jax.vmap(tx.init, axis_name=...)(ozo.replicate(params, M)) for "
             "M workers."
-        )
-    if shards is None and _graph.nodes_of(opt_state, workers.ShardLocalState):
-        raise ValueError(
-            "reset_compression got the state of DataParallel.optimizer on a model-sharded mesh "
-            "(one state per model shard, each with its own compression scales): it needs the "
-            "params' shardings to cut the params into those shards. Call the new run's "
-            "dp.reset_compression(params, opt_state, fresh_state) instead (the DataParallel "
-            "of the mesh you resume on; its model axes must have the sizes they had)."
         )
     # one worker's trees (axis_name=None: no worker axis) go through as one row
     if _one_worker((params, opt_state)):

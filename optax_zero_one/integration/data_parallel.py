@@ -23,6 +23,7 @@ worker's update must see its *local* gradient. :class:`DataParallel` does the co
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -42,6 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_zero_one.core import _checks, _graph, wrappers
+from optax_zero_one.core.flat import FlatTree
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
@@ -191,13 +193,7 @@ class DataParallel:
         @distributed.outside_user_mesh
         def one(path: Any, x: Any, spec: P) -> jax.Array:
             placed = getattr(x, "sharding", None)
-            if (  # what to_workers makes: a leading worker axis over the data axis
-                isinstance(placed, NamedSharding)
-                and len(placed.spec)
-                and placed.spec[0] is not None
-                and set(self._sized(_names(placed.spec[0]))) == set(self._sized(self.data_axes))
-                and np.shape(x)[0] == self.num_workers
-            ):
+            if self._in_worker_layout(x):  # what to_workers makes
                 raise ValueError(
                     f"leaf {_checks.leaf_name(path)} of shape {np.shape(x)} is already sharded "
                     f"over the data axis ({placed.spec}): the tree is in the worker layout "
@@ -366,6 +362,8 @@ class DataParallel:
         def init_fn(params: Any) -> ShardLocalState:
             if _checks.is_placeholder(params):  # optax.tree_map_params: the structure only
                 return ShardLocalState(tx.init(params))
+            if _SHAPES_ONLY.get():  # state_target: shapes only, outside the mesh
+                return self._shard_shapes(tx, params)
             values, treedef = leaves(params, "params")
             init = lambda p: _stack(tx.init(jax.tree.unflatten(treedef, p)))  # noqa: E731
             return ShardLocalState(self._per_shard(init, (specs,), stack)(values))
@@ -604,7 +602,9 @@ class DataParallel:
                 ):
                     check(params, opt_state, batch, leaves=True)  # before any step has run
                 keep(params, opt_state)
-                return mapped[0].lower(params, opt_state, batch)
+                traced = mapped[0].trace(params, opt_state, batch)
+                self._warn_if_leaves_apart(traced.jaxpr, params, opt_state)
+                return traced.lower()
 
             program.lower = lower  # type: ignore[attr-defined]
             return program
@@ -763,42 +763,84 @@ class DataParallel:
         self, tx: optax.GradientTransformation, params: Any, num_workers: int
     ) -> tuple[Any, Any]:
         """What a run of ``num_workers`` data workers saved, as ``jax.ShapeDtypeStruct``\\ s
-        without shardings: the params in its worker layout and ``dp.optimizer(tx)``'s state
+        without shardings: the params in its worker layout and its optimizer state
         (``dp.init``'s), built without that run's mesh (which a smaller restart cannot make).
         The restore target for :meth:`reset_compression`, e.g. as host arrays:
         ``jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), target)``.
 
         Args:
-          tx: the saved run's optimizer as given to ``dp.optimizer``, built for
-            ``num_workers`` (its ``num_workers=`` argument, e.g. ``ozo.zero_one_adam(...,
-            axis_name="data", num_workers=4)``), with the saved run's other arguments (the
-            state's structure follows them).
+          tx: the saved run's optimizer, built for ``num_workers`` (the compressing
+            optimizer's ``num_workers=`` argument, e.g. ``ozo.zero_one_adam(...,
+            axis_name="data", num_workers=4)``) with the saved run's other arguments (the
+            state's structure follows them): on a model-sharded mesh, as given to ``dp.init``
+            with this helper's ``dp.optimizer`` around that optimizer (e.g.
+            ``optax.chain(optax.clip_by_global_norm(1.0), dp.optimizer(tx_4))``), or the
+            optimizer alone, as given to ``dp.optimizer``.
           params: this helper's params in the user's layout (arrays or shapes).
           num_workers: the saved run's number of data workers; its model axes had this
             mesh's sizes (the only move :meth:`reset_compression` makes).
         """
         _checks.check_int("num_workers", num_workers, 1)
         _check_structure(params, self.param_specs, "params", "the params given to data_parallel")
+        for path, x in jax.tree_util.tree_leaves_with_path(params):
+            if self._in_worker_layout(x):
+                raise ValueError(
+                    f"state_target takes the params in the user's layout, and leaf "
+                    f"{_checks.leaf_name(path)} of shape {np.shape(x)} is in the worker layout "
+                    "(a leading worker axis over the data axis): pass dp.from_workers(params_w), "
+                    "or the params as the user holds them."
+                )
         shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
         params = jax.tree.map(shape, params)
-        stacked = lambda x, *lead: jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype)  # noqa: E731
-        params_w = jax.tree.map(lambda x: stacked(x, num_workers), params)
-        if not self.model_sharded:
-            state = jax.eval_shape(tx.init, params)
-            return params_w, jax.tree.map(lambda x: stacked(x, num_workers), state)
-        shards = _ModelShards(self)
-        values, treedef = jax.tree.flatten(params)
         for (path, x), spec in zip(
-            jax.tree_util.tree_leaves_with_path(params), shards.specs, strict=True
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree.leaves(self.param_specs, is_leaf=lambda v: isinstance(v, P)),
+            strict=True,
         ):
             self._check_divides(path, x.shape, spec)
+        stacked = lambda x: jax.ShapeDtypeStruct((num_workers, *x.shape), x.dtype)  # noqa: E731
+        token = _SHAPES_ONLY.set(True)
+        try:
+            state = jax.eval_shape(tx.init, params)
+        finally:
+            _SHAPES_ONLY.reset(token)
+        if self.model_sharded and not _graph.nodes_of(state, ShardLocalState):
+            state = jax.eval_shape(lambda p: self._shard_shapes(tx, p), params)  # the inner tx
+        for layout in _layouts(state):
+            if math.prod(np.atleast_1d(layout.num_workers)) != num_workers:
+                raise ValueError(
+                    f"state_target: tx was built for {layout.num_workers} workers, but "
+                    f"num_workers={num_workers}: build it with num_workers={num_workers} (the "
+                    "saved run's count), as the saved run's state was laid out for it."
+                )
+        return jax.tree.map(stacked, params), jax.tree.map(stacked, state)
+
+    def _shard_shapes(self, tx: optax.GradientTransformation, params: Any) -> ShardLocalState:
+        """``dp.optimizer(tx)``'s state of ``params`` (user layout, one worker's), zeros shaped
+        as ``dp.init`` makes it: ``tx``'s state of one model shard's blocks, stacked once per
+        shard. Outside the mesh; for :meth:`state_target` (under ``jax.eval_shape``)."""
+        shards = _ModelShards(self)
+        values, treedef = jax.tree.flatten(params)
         local = [
-            jax.ShapeDtypeStruct(shards.block_shape(x.shape, spec), x.dtype)
+            jax.ShapeDtypeStruct(shards.block_shape(np.shape(x), spec), x.dtype)
             for x, spec in zip(values, shards.specs, strict=True)
         ]
         inner = jax.eval_shape(tx.init, jax.tree.unflatten(treedef, local))
-        inner = jax.tree.map(lambda x: stacked(x, num_workers, shards.count), inner)
-        return params_w, ShardLocalState(inner)
+        return ShardLocalState(
+            jax.tree.map(lambda x: jnp.zeros((shards.count, *x.shape), x.dtype), inner)
+        )
+
+    def _in_worker_layout(self, x: Any) -> bool:
+        """Whether ``x`` is what :meth:`to_workers` makes: a leading worker axis sharded over
+        the data axis."""
+        placed = getattr(x, "sharding", None)
+        return bool(
+            isinstance(placed, NamedSharding)
+            and len(placed.spec)
+            and placed.spec[0] is not None
+            and set(self._sized(_names(placed.spec[0]))) == set(self._sized(self.data_axes))
+            and np.shape(x)[0] == self.num_workers
+        )
 
     def reset_compression(self, params: Any, opt_state: Any, fresh_state: Any) -> tuple[Any, Any]:
         """:func:`~optax_zero_one.reset_compression` onto this helper's mesh: a state restored
@@ -825,26 +867,41 @@ class DataParallel:
         from optax_zero_one.integration import checkpoint  # checkpoint imports workers only
 
         self.check_worker_layout(fresh_state, "fresh_state")
+        found = _graph.nodes_of(opt_state, ShardLocalState)
         if not self.model_sharded:
+            if found:
+                raise ValueError(
+                    "opt_state was saved on a model-sharded mesh (dp.optimizer's state, one "
+                    "per model shard), and this helper's params are sharded over no model "
+                    f"axis ({self.mesh.shape}): the model axes must keep their sizes. Resume "
+                    "on a mesh with the saved run's model axes, or start the optimizer afresh "
+                    "from the synchronised params saved beside the state (docs/reliability.md)."
+                )
             where = NamedSharding(self.mesh, P(self.data_axis))
             return checkpoint.reset_compression(params, opt_state, fresh_state, sharding=where)
         _check_structure(params, self.param_specs, "params", "the params given to data_parallel")
-        found = _graph.nodes_of(opt_state, ShardLocalState)
         if len(found) != 1:
             raise ValueError(
                 f"opt_state holds {len(found)} states of dp.optimizer (ShardLocalState); a "
                 "model-sharded run's state holds one: pass the state dp.init made, as restored."
             )
         shards = _ModelShards(self)
-        saved = {np.shape(x)[1] for x in jax.tree.leaves(found[0].inner) if np.ndim(x) > 1}
-        if saved != {shards.count}:
-            raise ValueError(
-                f"the restored state holds {'/'.join(map(str, sorted(saved)))} model shards, "
-                f"this mesh {shards.count} (the product of {self.other_axes}): the model axes "
-                "must keep their sizes (only the data axis may change). Resume on a mesh with "
-                "the model axes the state was saved with, or start the optimizer afresh from "
-                "dp.synchronized_params of the restored run."
-            )
+        for what, tree in (("the restored state", opt_state), ("fresh_state", fresh_state)):
+            (node,) = _graph.nodes_of(tree, ShardLocalState) or [ShardLocalState(())]
+            counts = {np.shape(x)[1] for x in jax.tree.leaves(node.inner) if np.ndim(x) > 1}
+            if counts and counts != {shards.count}:
+                raise ValueError(
+                    f"{what} holds {'/'.join(map(str, sorted(counts)))} model shards, this "
+                    f"mesh {shards.count} (the product of {self.other_axes}): the model axes "
+                    "must keep their sizes (only the data axis may change). "
+                    + (
+                        "Resume on a mesh with the model axes the state was saved with, or "
+                        "start the optimizer afresh from the synchronised params saved beside "
+                        "the state (docs/reliability.md)."
+                        if what != "fresh_state"
+                        else "Make fresh_state with this helper: dp.init(tx, params_w)."
+                    )
+                )
         params0, state = checkpoint._reset(params, opt_state, fresh_state, shards=shards)
         return self.to_workers(params0), state
 
@@ -901,7 +958,7 @@ class _ModelShards:
                 workers.synchronized_params(self.local(params, s), self.state(state, s))
             )
             for whole, block, spec in zip(out, point, self.specs, strict=True):
-                whole[self._blocks(whole.shape, spec)[s]] = block
+                whole[self._blocks(whole.shape, spec)[s]] = np.asarray(block)
         return jax.tree.unflatten(treedef, out)
 
 
@@ -1060,6 +1117,16 @@ def _checked_step(
 # Primitives that name a mesh axis without moving data between its devices.
 _NOT_EXCHANGES = frozenset({"axis_index", "pvary", "pcast"})
 _BATCH = object()  # _warn_if_leaves_apart's marker of what depends on the batch
+# set by DataParallel.state_target: dp.optimizer's init builds the per-shard state's shapes only
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("shapes_only", default=False)
+
+
+def _layouts(state: Any) -> list:
+    """The flat layouts of the :class:`~optax_zero_one.core.flat.FlatTree`\\ s in ``state``."""
+    found = _graph.nodes_of(state, FlatTree)
+    return [node.layout for node in found]
+
+
 # Calls whose one inner jaxpr maps their inputs to their outputs one to one (no loop carry),
 # followed into exactly; any other nested jaxpr (loops, conditionals) counts whole.
 _CALLS = frozenset(

@@ -52,7 +52,7 @@ class ShardLocalState(NamedTuple):
                 f"state {_num_shards(fresh.inner)} and the mesh has {shards.count}: the model "
                 "axes must keep their sizes (only the data axis may change). Resume on a mesh "
                 "with the model axes the state was saved with, or start the optimizer afresh "
-                "from dp.synchronized_params of the restored run."
+                "from the synchronised params saved beside the state (docs/reliability.md)."
             )
         moved = []
         for s in range(shards.count):
