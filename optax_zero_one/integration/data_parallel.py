@@ -557,15 +557,7 @@ class DataParallel:
             compiling = threading.Lock()  # two threads' first calls compile once
 
             def program(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
-                if len(args) != 3 or kwargs:
-                    got = f"{len(args)} positional" + (f" and {', '.join(kwargs)}=" * bool(kwargs))
-                    raise TypeError(
-                        "dp.jit's step is called as train(params_w, opt_state, batch), with "
-                        f"three arguments by position; got {got}. The batch may be any tree "
-                        "(pass several arrays as one tuple or dict); the step_kind comes from "
-                        "the dispatcher (dp.jit(step, schedule=...)), not from the call."
-                    )
-                params, opt_state, batch = args
+                params, opt_state, batch = _three(args, kwargs, "train")
                 _check_not_donated(params, opt_state)
                 if first[0] is not None:
                     try:
@@ -595,7 +587,8 @@ class DataParallel:
                     return mapped[0](params, opt_state, batch)  # jit compiles for the others
                 return first[0](params, opt_state, batch)
 
-            def lower(params: Any, opt_state: Any, batch: Any) -> Any:  # for precompile
+            def lower(*args: Any) -> Any:  # for precompile
+                params, opt_state, batch = _three(args, {}, "train.precompile")
                 if not any(
                     isinstance(x, jax.ShapeDtypeStruct)
                     for x in jax.tree.leaves((params, opt_state, batch))
@@ -683,10 +676,10 @@ class DataParallel:
         exchanged = _exchanged_axes(body, axes | {_BATCH}, given)[: len(leaves)]
         if not any(got >= axes for got in exchanged):
             return
-        apart = [
+        apart = [  # scalars are left out: their mean is a scalar too, read as a flag's
             _checks.leaf_name(path)
-            for (path, _), got in zip(leaves, exchanged, strict=True)
-            if _BATCH in got and not got >= axes
+            for (path, x), got in zip(leaves, exchanged, strict=True)
+            if _BATCH in got and not got >= axes and np.size(x) > 1
         ]
         if not apart:
             return
@@ -1187,22 +1180,76 @@ def _mean_axes(jaxpr: Any, outs: list, axes: frozenset[str]) -> set[str]:
     return got
 
 
-def _exchanged_axes(jaxpr: Any, axes: frozenset[str], given: list | None = None) -> list:
-    """For each output of ``jaxpr``: the axes of ``axes`` over which a collective it depends
-    on exchanges (``given``: those each input already depends on). One pass forward, followed
-    into calls exactly; a loop's or conditional's outputs each depend on all of it."""
+def _three(args: tuple, kwargs: dict, call: str) -> tuple[Any, Any, Any]:
+    """``(params, opt_state, batch)`` of a call of ``dp.jit``'s step; a ``TypeError`` that says
+    how to call it otherwise (Python's named an inner function of ``dp.jit``)."""
+    if len(args) == 3 and not kwargs:
+        return args
+    got = ", ".join(
+        [f"{len(args)} by position"] * bool(args or not kwargs) + [f"{k}=" for k in kwargs]
+    )
+    raise TypeError(
+        f"dp.jit's step is called as {call}(params_w, opt_state, batch), with three arguments "
+        f"by position; got {got}. The batch may be any tree (pass several arrays as one tuple "
+        "or dict); each step's kind comes from the dispatcher (dp.jit(step, schedule=...)), "
+        "not from the call."
+    )
+
+
+def _exchanged_axes(jaxpr: Any, axes: frozenset, given: list | None = None) -> list:
+    """For each output of ``jaxpr``: the axes of ``axes`` over which a collective moving more
+    than one element per worker (an average of values, not a finite flag or a norm) feeds
+    it, and the markers in ``axes`` its inputs carry (``given``: each input's). One pass
+    forward, followed into calls, conditionals' branches and loops' bodies (loop carries until
+    they settle); anything else passes on all its inputs carry."""
     seen: dict = dict(zip(jaxpr.invars, given or [frozenset()] * len(jaxpr.invars)))
     read = lambda v: seen.get(v, frozenset()) if isinstance(v, jex.Var) else frozenset()  # noqa: E731
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        body = _call_body(eqn)
-        if body is not None:
-            outs = _exchanged_axes(body, axes, ins)
-        else:
-            whole = frozenset().union(*ins) | frozenset(_axes_in(eqn, axes))
-            outs = [whole] * len(eqn.outvars)
+        outs = _exchanged_by(eqn, ins, axes)
         seen.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _exchanged_by(eqn: Any, ins: list, axes: frozenset) -> list:
+    """:func:`_exchanged_axes` of one equation's outputs, from its inputs' (``ins``)."""
+    name, params = eqn.primitive.name, eqn.params
+    body = _call_body(eqn)
+    if body is not None:
+        return _exchanged_axes(body, axes, ins)
+    if name == "cond":  # operand i of the eqn (after the index) is input i of every branch
+        index, ops = ins[0], ins[1:]
+        outs = [index] * len(eqn.outvars)
+        for branch in params["branches"]:
+            got = _exchanged_axes(branch.jaxpr, axes, ops)
+            outs = [a | b for a, b in zip(outs, got, strict=True)]
+        return outs
+    if name == "scan":
+        consts, carried = params["num_consts"], params["num_carry"]
+        carry = ins[consts : consts + carried]
+        while True:
+            args = [*ins[:consts], *carry, *ins[consts + carried :]]
+            outs = _exchanged_axes(params["jaxpr"].jaxpr, axes, args)
+            grown = [a | b for a, b in zip(carry, outs[:carried], strict=True)]
+            if grown == carry:
+                return outs
+            carry = grown
+    if name == "while":
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        carry = ins[nc + nb :]
+        while True:
+            (pred,) = _exchanged_axes(params["cond_jaxpr"].jaxpr, axes, [*ins[:nc], *carry])
+            outs = _exchanged_axes(params["body_jaxpr"].jaxpr, axes, [*ins[nc : nc + nb], *carry])
+            grown = [a | b | pred for a, b in zip(carry, outs, strict=True)]
+            if grown == carry:
+                return carry
+            carry = grown
+    whole = frozenset().union(*ins)
+    if any(math.prod(getattr(v.aval, "shape", ())) > 1 for v in eqn.outvars):
+        whole |= frozenset(_axes_in(eqn, axes))
+    else:  # a scalar (a flag, a norm, a loss) neither averages nor teaches what it scales
+        whole = frozenset()
+    return [whole] * len(eqn.outvars)
 
 
 def _passed_through(jaxpr: Any, out: Any, made: dict | None = None) -> int | None:

@@ -508,9 +508,11 @@ class KindDispatcher:
             raise TypeError(
                 f"The dispatcher takes the step's arguments by position, got {called}. "
                 + (
-                    "compile_kind seems to call the dispatcher itself: was the dispatcher "
-                    "bound to the name of the step function that compile_kind reads "
-                    "(train_step = ozo.dispatch_by_kind(...))? Give it a new name "
+                    "The dispatcher chooses each step's kind itself: call it without one, "
+                    "train(params, opt_state, batch). If your code does not pass step_kind= "
+                    "here, compile_kind seems to call the dispatcher itself: was the "
+                    "dispatcher bound to the name of the step function that compile_kind "
+                    "reads (train_step = ozo.dispatch_by_kind(...))? Give it a new name "
                     "(step = ozo.dispatch_by_kind(...))."
                     if "step_kind" in kwargs
                     else "Pass them by position."
