@@ -362,7 +362,12 @@ def _reset(
         for s in range(shards.count):
             local = shards.local(row, s)
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), local)
-            _check_worker_params(shapes, shards.state(first, s))
+            try:
+                _check_worker_params(shapes, shards.state(first, s))
+            except ValueError as err:  # the shapes it names are one model shard's blocks
+                raise ValueError(
+                    f"{err} (Shapes of model shard {s}'s block of each leaf.)"
+                ) from None
         params0 = shards.synchronized_params(row, first)
     state0 = Move(params0, shards)(first, full, fresh0)
     placements = [getattr(x, "sharding", None) for x in jax.tree.leaves(fresh_state)]
