@@ -1169,6 +1169,8 @@ def test_a_step_called_with_other_arguments_says_how_to_call_it(schedule):
     train = dp.jit(step, schedule=schedule)
     with pytest.raises(TypeError, match=r"called as train\(params_w, opt_state, batch\), .* got 4"):
         train(p, s, x, x)
+    with jax.disable_jit(), pytest.raises(ValueError, match="do not run under jax.disable_jit"):
+        train(p, s, x)  # a trial: JAX said "not supported in the AOT path ... jit(whole)"
     if schedule is not None:  # a review: the first two still named inner functions
         with pytest.raises(TypeError, match="chooses each step's kind itself: call it without"):
             train(p, s, x, step_kind=SCHEDULE.kinds[0])

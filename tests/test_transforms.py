@@ -294,3 +294,51 @@ def test_flax_nnx_optimizer_drives_zero_one_adam():
         np.testing.assert_allclose(got[key], params[key], rtol=1e-6, atol=1e-7)
     synced = ozo.synchronized_params(nnx.state(model, nnx.Param), optimizer.opt_state)
     assert jax.tree.structure(synced) == jax.tree.structure(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        lambda: jax.numpy_rank_promotion("raise"),
+        lambda: jax.numpy_dtype_promotion("strict"),
+    ],
+    ids=["rank_promotion_raise", "dtype_promotion_strict"],
+)
+def test_the_callers_numpy_promotion_settings_change_nothing(setting):
+    """Codebases that trace under jax.numpy_rank_promotion("raise") or
+    jax.numpy_dtype_promotion("strict") could not use the compressed optimizers: every 1-bit
+    collective broadcast ranks implicitly, and 0/1 Adam's counters added a bool to an int (a
+    trial). The transforms now trace with NumPy's rules whatever the caller set, and give the
+    bits of a run without the setting, through every step kind."""
+    params = {"w": jnp.arange(35.0).reshape(5, 7) / 35, "b": jnp.zeros((3,))}
+    built = dict(var_freeze_step=3, var_update_scaler=2, local_step_scaler=2, local_step_clipper=2)
+    txs = {
+        "zero_one_adam": ozo.zero_one_adam(1e-2, axis_name="w", **built),
+        "zero_one_adam_psum": ozo.zero_one_adam(1e-2, axis_name="w", collective="psum", **built),
+        "onebit_adam": ozo.onebit_adam(1e-2, axis_name="w", freeze_step=2),
+        "diloco": ozo.diloco(optax.adam(1e-2), optax.sgd(0.7, momentum=0.9), 2, "w"),
+    }
+    rng = np.random.default_rng(0)
+    grads = [
+        jax.tree.map(lambda x: rng.standard_normal((4, *x.shape)).astype(np.float32), params)
+        for _ in range(8)
+    ]
+
+    def run(tx):
+        p = ozo.replicate(params, 4)
+        s = jax.vmap(tx.init, axis_name="w")(p)
+
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        train = jax.jit(jax.vmap(step, axis_name="w"))
+        for g in grads:
+            p, s = train(p, s, g)
+        return p
+
+    for name, tx in txs.items():
+        want = run(tx)
+        with setting():
+            got = run(tx)
+        jax.tree.map(lambda a, b, n=name: np.testing.assert_array_equal(a, b, err_msg=n), got, want)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import operator
 import warnings
@@ -634,19 +635,37 @@ def check_mask(mask: Any, params: Any, name: str = "mask") -> None:
                 raise ValueError(f"{name} leaf {where} must contain only 0 and 1 (or booleans).")
 
 
+def standard_numpy(fn: Any) -> Any:
+    """``fn`` traced with JAX's default NumPy promotion rules, whatever the caller set: the
+    library's arithmetic broadcasts ranks and mixes dtypes as NumPy does, and codebases that
+    run under ``jax.numpy_rank_promotion("raise")`` or ``jax.numpy_dtype_promotion("strict")``
+    (a trial: every 1-bit collective, and 0/1 Adam's counters, refused there) keep their
+    setting for their own code. Transforms wrapped inside (DiLoCo's inner optimizer) run with
+    the defaults too."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def transformation(
     init_fn: Any, update_fn: Any, state_type: type, name: str
 ) -> optax.GradientTransformationExtraArgs:
     """``init_fn`` and ``update_fn`` as an Optax transform whose ``update`` first checks that it
-    was given its own state (``state_type``), naming the transform (``name``) if not."""
+    was given its own state (``state_type``), naming the transform (``name``) if not; both
+    traced with NumPy's promotion rules (:func:`standard_numpy`)."""
 
+    @standard_numpy
     def checked_update(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, Any]:
         check_state_type(state, state_type, name)
         return update_fn(updates, state, params, **extra_args)
 
-    return optax.GradientTransformationExtraArgs(init_fn, checked_update)
+    return optax.GradientTransformationExtraArgs(standard_numpy(init_fn), checked_update)
 
 
 def check_state_type(state: Any, expected: type, optimizer: str) -> None:

@@ -403,7 +403,9 @@ class DataParallel:
             inner = jax.tree.map(_graph.vary_like, inner, state.inner)
             return jax.tree.unflatten(treedef, out), ShardLocalState(inner)
 
-        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+        return optax.GradientTransformationExtraArgs(
+            _checks.standard_numpy(init_fn), _checks.standard_numpy(update_fn)
+        )
 
     def _per_shard(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
         """``fn`` inside the step, manual over the other axes too: it sees each device's shard.
@@ -558,6 +560,14 @@ class DataParallel:
 
             def program(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
                 params, opt_state, batch = _three(args, kwargs, "train")
+                if jax.config.jax_disable_jit:  # JAX's error names its ahead-of-time path
+                    raise ValueError(
+                        "dp.jit's steps are compiled programs and do not run under "
+                        "jax.disable_jit(). To step through the optimizer in Python, run your "
+                        "step for simulated workers, jax.vmap(step, axis_name=...) over "
+                        "ozo.replicate'd params (with ozo.dispatch_by_kind for a schedule), "
+                        "which runs under disable_jit (docs/usage.md)."
+                    )
                 _check_not_donated(params, opt_state)
                 if first[0] is not None:
                     try:
