@@ -927,10 +927,16 @@ class _ModelShards:
             at = dict(zip(others, np.unravel_index(s, [mesh.shape[a] for a in others])))
             index = tuple(int(at.get(a, 0)) for a in names)
             self._devices.append(mesh.devices[index])
+        self._found: dict = {}
 
     def _blocks(self, shape: tuple, spec: P) -> list[tuple]:
-        where = NamedSharding(self._mesh, spec).devices_indices_map(tuple(shape))
-        return [where[d] for d in self._devices]
+        """Every shard's index of a leaf of ``shape``, made once per shape and spec (the move
+        asks for one shard's at a time, for every shard and leaf, several times)."""
+        key = (tuple(shape), spec)
+        if key not in self._found:
+            where = NamedSharding(self._mesh, spec).devices_indices_map(tuple(shape))
+            self._found[key] = [where[d] for d in self._devices]
+        return self._found[key]
 
     def block_shape(self, shape: tuple, spec: P) -> tuple[int, ...]:
         """The shape of a leaf's block on one shard (every shard's is the same)."""

@@ -37,23 +37,11 @@ class ShardLocalState(NamedTuple):
     inner: Any
 
     def moved(self, every: Any, fresh: ShardLocalState, move: Any) -> ShardLocalState:
-        """To another data-worker count (:meth:`DataParallel.reset_compression`): each model
-        shard's state moved as a state of its own, from the params' block of that shard."""
+        """To another data-worker count (:meth:`DataParallel.reset_compression`, which checks
+        first that the shards are those of its mesh; ``move.shards`` cuts the params): each
+        model shard's state moved as a state of its own, from the params' block of that
+        shard."""
         shards = move.shards
-        if shards is None:
-            raise ValueError(
-                "this state holds one optimizer state per model shard (DataParallel.optimizer "
-                "on a model-sharded mesh): move it with the new run's dp.reset_compression."
-            )
-        counts = {_num_shards(self.inner), _num_shards(fresh.inner), shards.count}
-        if len(counts) != 1:
-            raise ValueError(
-                f"the restored state holds {_num_shards(self.inner)} model shards, the fresh "
-                f"state {_num_shards(fresh.inner)} and the mesh has {shards.count}: the model "
-                "axes must keep their sizes (only the data axis may change). Resume on a mesh "
-                "with the model axes the state was saved with, or start the optimizer afresh "
-                "from the synchronised params saved beside the state (docs/reliability.md)."
-            )
         moved = []
         for s in range(shards.count):
             take = lambda tree, s=s: jax.tree.map(lambda x: np.asarray(x)[s], tree)  # noqa: E731
@@ -61,12 +49,6 @@ class ShardLocalState(NamedTuple):
             local = type(move)(shards.local(move.params, s))
             moved.append(local(take(self.inner), every_s, take(fresh.inner)))
         return ShardLocalState(jax.tree.map(lambda *xs: np.stack(xs), *moved))
-
-
-def _num_shards(tree: Any) -> int | None:
-    """The leading axis of a :class:`ShardLocalState`'s inner arrays (one worker's)."""
-    leaves = [x for x in jax.tree.leaves(tree) if np.ndim(x)]
-    return np.shape(leaves[0])[0] if leaves else None
 
 
 def replicate(tree: Any, num_workers: int, sharding: jax.sharding.Sharding | None = None) -> Any:
