@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_zero_one.core import _checks, _graph
+from optax_zero_one.core import _checks, _flax_state, _graph
 
 _MAX_BLOCKS = 1 << 20  # block tables of at most 4 MiB (int32) per layout
 _MAX_SUM_BLOCK = 512  # the widest run of columns the per-leaf sums add up before the leaf table
@@ -355,6 +355,27 @@ class FlatTree:
         if dtypes is not None:
             leaves = [x.astype(d) for x, d in zip(leaves, jax.tree.leaves(dtypes))]
         return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def _flax_state_dict(flat: FlatTree) -> dict:
+    return {"buffer": flat.buffer}
+
+
+def _from_flax_state_dict(target: FlatTree, state: dict) -> FlatTree:
+    buffer = state["buffer"]
+    want = tuple(getattr(target.buffer, "shape", np.shape(target.buffer)))
+    got = tuple(np.shape(buffer))
+    if got != want:
+        raise ValueError(
+            f"A saved flat optimizer buffer has shape {got}, the state restored into has {want}: "
+            "the checkpoint was saved for another number of data workers or another params "
+            "tree. Restore into a state built as the saved run's was (init(..., num_workers=) "
+            "with its worker count), then move it with ozo.reset_compression."
+        )
+    return FlatTree(buffer, target.layout)
+
+
+_flax_state.install(FlatTree, _flax_state_dict, _from_flax_state_dict)
 
 
 def compute_dtype(tree: Any) -> jnp.dtype:
