@@ -79,11 +79,12 @@ from optax_zero_one.integration.checkpoint import (
     reset_compression,
     worker_count,
 )
-from optax_zero_one.integration.comm_stats import comm_stats
+from optax_zero_one.integration.comm_stats import CommStats, comm_stats
 from optax_zero_one.integration.data_parallel import DataParallel, data_parallel
 from optax_zero_one.integration.deepspeed import from_deepspeed_config
-from optax_zero_one.integration.dispatch import dispatch_by_kind
+from optax_zero_one.integration.dispatch import KindDispatcher, dispatch_by_kind
 from optax_zero_one.integration.distributed import (
+    DistributedJob,
     initialize_from_env,
     local_rows,
     on_workers,
@@ -98,11 +99,13 @@ __all__ = [
     "check_worker_count",
     "worker_count",
     "comm_stats",
+    "CommStats",
     "data_parallel",
     "DataParallel",
     "diloco",
     "diloco_schedule",
     "dispatch_by_kind",
+    "DistributedJob",
     "flatten",
     "float_mean",
     "from_deepspeed_config",
@@ -110,6 +113,7 @@ __all__ = [
     "FrozenVarianceAdamState",
     "FullPrecisionWarmup",
     "initialize_from_env",
+    "KindDispatcher",
     "local_rows",
     "local_step_schedule",
     "local_step_sync",

@@ -3,6 +3,8 @@
 import ast
 import pathlib
 
+import numpy as np
+
 import optax_zero_one as ozo
 
 PACKAGE = pathlib.Path(ozo.__file__).parent
@@ -36,6 +38,24 @@ def test_public_names_resolve_and_are_documented():
     # nothing beyond __all__ and the two subpackages leaks into the top-level namespace
     public = {n for n in vars(ozo) if not n.startswith("_")}
     assert public - set(ozo.__all__) == {"core", "integration"}
+
+
+def test_the_types_public_functions_return_and_take_are_public():
+    """A user annotating a loop needs the dispatcher's, comm_stats' and the job's types from
+    the package, and isinstance against the policy protocols (a TypeError before)."""
+    schedule = ozo.zero_one_schedule(var_freeze_step=4)
+    assert isinstance(ozo.dispatch_by_kind(lambda kind: None, schedule), ozo.KindDispatcher)
+    stats = ozo.comm_stats(lambda x: x * 2, np.ones(3, np.float32))
+    assert isinstance(stats, ozo.CommStats) and not stats.collectives
+    assert ozo.initialize_from_env.__annotations__["return"] in (
+        "DistributedJob",
+        ozo.DistributedJob,
+    )
+    for policy in (ozo.VarianceDoubling(8), ozo.FullPrecisionWarmup(8)):
+        assert isinstance(policy, ozo.VariancePolicy)
+    for policy in (ozo.LocalStepDoubling(4), ozo.SyncEvery(4)):
+        assert isinstance(policy, ozo.LocalStepPolicy)
+        assert not isinstance(policy, ozo.VariancePolicy)  # no freeze_step
 
 
 def test_every_test_named_in_the_tiers_exists():

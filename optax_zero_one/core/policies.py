@@ -33,7 +33,7 @@ optimizers instead (e.g. sync intervals tied to the learning-rate schedule, as i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ class IntervalState(NamedTuple):
     counter: Any
 
 
+@runtime_checkable
 class VariancePolicy(Protocol):
     """What 0/1 Adam needs of a variance policy (read-only ``freeze_step``; the methods' own
     parameter names are free)."""
@@ -63,6 +64,7 @@ class VariancePolicy(Protocol):
     def next(self, state: Any, step: Any, /) -> Any: ...
 
 
+@runtime_checkable
 class LocalStepPolicy(Protocol):
     """What 0/1 Adam needs of a local-step policy (the methods' parameter names are free)."""
 
