@@ -509,6 +509,7 @@ class DataParallel:
 
         by_worker = NamedSharding(self.mesh, P(self.data_axis))
         donated = (0, 1) if donate else ()
+        warned: set = set()  # the leaves warned about, once per step function, not per kind
 
         def check(params: Any, opt_state: Any, batch: Any, leaves: bool) -> None:
             self.check_worker_layout(params, "params")
@@ -582,7 +583,7 @@ class DataParallel:
                         keep(params, opt_state)
                         traced = mapped[0].trace(params, opt_state, batch)
                         lowered = traced.lower()
-                        self._warn_if_leaves_apart(traced.jaxpr, params, opt_state)
+                        self._warn_if_leaves_apart(traced.jaxpr, params, opt_state, warned)
                         if kind is None:
                             sizes = [len(jax.tree.leaves(t)) for t in (params, opt_state)]
                             self._warn_if_no_mean(traced.jaxpr, *sizes)
@@ -606,7 +607,7 @@ class DataParallel:
                     check(params, opt_state, batch, leaves=True)  # before any step has run
                 keep(params, opt_state)
                 traced = mapped[0].trace(params, opt_state, batch)
-                self._warn_if_leaves_apart(traced.jaxpr, params, opt_state)
+                self._warn_if_leaves_apart(traced.jaxpr, params, opt_state, warned)
                 return traced.lower()
 
             program.lower = lower  # type: ignore[attr-defined]
@@ -665,7 +666,7 @@ class DataParallel:
             stacklevel=3,
         )
 
-    def _warn_if_leaves_apart(self, closed: Any, params: Any, opt_state: Any) -> None:
+    def _warn_if_leaves_apart(self, closed: Any, params: Any, opt_state: Any, warned: set) -> None:
         """Warns if some params the step returns depend on a collective over the data axis
         and others depend on the batch through none: those go their own way on every worker.
         A plain optax optimizer beside ours in an ``optax.multi_transform`` (``optax.adamw``
@@ -674,7 +675,8 @@ class DataParallel:
         :meth:`_warn_if_no_mean`'s, a leaf that does not learn from the batch (frozen by
         ``optax.set_to_zero``) is not warned about. Read from the traced program at each
         program's first compile (every step kind's: a local step's, which exchanges nothing,
-        is never mixed)."""
+        is never mixed); the same leaves once per step function (``warned``), not once per
+        step kind."""
         if self.num_workers < 2:
             return
         body = closed.jaxpr
@@ -691,8 +693,9 @@ class DataParallel:
             for (path, x), got in zip(leaves, exchanged, strict=True)
             if _BATCH in got and not got >= axes and np.size(x) > 1
         ]
-        if not apart:
+        if not apart or tuple(apart) in warned:
             return
+        warned.add(tuple(apart))
         shown = ", ".join(apart[:5]) + (f" and {len(apart) - 5} more" if len(apart) > 5 else "")
         warnings.warn(
             f"dp.jit: the params {shown} learn from each worker's share of the batch with no "
