@@ -142,10 +142,13 @@ def scale_by_zero_one_adam(
                            xbar <- xbar - what / (sqrt(v) + eps);  x <- xbar
 
     ``xbar`` is the last synchronised point (kept by :func:`~optax_zero_one.local_step_sync`),
-    so ``u`` is the sum of the interval's local updates and after a sync every worker's params
-    are ``xbar`` rounded to their dtype. No bias correction. Pass each worker's *local*
-    gradient: the optimizer does the averaging. Non-finite gradients are skipped together at
-    the steps that communicate and dropped per worker at local steps (``docs/algorithm.md``).
+    so ``u`` is the sum of the interval's local updates. After a sync every worker's params are
+    ``x + (xbar - x)`` as ``optax.apply_updates`` rounds it: ``xbar`` up to the last bit,
+    which may differ between workers (their ``x`` do); ``xbar`` itself, the same bits on every
+    worker, is what :func:`~optax_zero_one.synchronized_params` returns. No bias correction.
+    Pass each worker's *local* gradient: the optimizer does the averaging. Non-finite gradients
+    are skipped together at the steps that communicate and dropped per worker at local steps
+    (``docs/algorithm.md``).
 
     The learning rate is part of the composition (not chained after it) because the sync
     replaces the interval's learning-rate-scaled updates and needs their sum.
