@@ -178,8 +178,11 @@ def test_zero_one_adam_without_params():
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64])
 def test_non_float_params_at_init(name, dtype):
     params = {"a": jnp.ones((3, 2)), "i": jnp.ones((4,), dtype)}
-    with pytest.raises(ValueError, match=rf"leaf \['i'\] has dtype {jnp.dtype(dtype)}"):
+    with pytest.raises(ValueError, match=rf"leaf \['i'\] has dtype {jnp.dtype(dtype)}") as err:
         per_worker(OPTIMIZERS[name]().init, params)
+    # the way out it names must be one the docs allow: optax.masked parts the workers (a
+    # trial followed the old advice with a complex leaf: its copies 4.1e7 and 1.5e7 apart)
+    assert "optax.set_to_zero()" in str(err.value) and "Not optax.masked" in str(err.value)
 
 
 # --- masks -----------------------------------------------------------------------------------

@@ -555,8 +555,12 @@ def check_float_leaves(tree: Any, what: str) -> None:
             raise ValueError(
                 f"{what} leaf {leaf_name(path)} has dtype {dtype}; only real "
                 "floating-point leaves (float32, bfloat16, float16, float64) can be compressed "
-                "and optimised. Keep integer/complex arrays out of the optimised tree (e.g. "
-                "with optax.masked or a separate partition)."
+                "and optimised. Keep integer/complex arrays out of this optimizer's tree: "
+                "optax.multi_transform({'train': tx, 'fixed': optax.set_to_zero()}, labels) "
+                "for leaves that do not train; for complex ones that do, an optax optimizer of "
+                "their own under another label, given jax.lax.pmean of their gradients. Not "
+                "optax.masked: it applies each worker's own gradient to them, and the workers "
+                "part."
             )
 
 
