@@ -5,10 +5,12 @@ not handle yet are ``xfail(strict=True)`` with the reason and the fix, so that f
 the suite red until the mark is removed.
 """
 
+import dataclasses
 import pickle
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +219,37 @@ def test_boolean_mask_is_the_same_as_a_float_one():
     # the mask acts on its own leaf only ("b"'s other entries feel it through b's scale)
     np.testing.assert_array_equal(masked[0]["a"], unmasked["a"])
     assert not np.allclose(masked[0]["b"][..., 1::2], unmasked["b"][..., 1::2])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CallableTree:
+    """A pytree node that is also callable, as an Equinox model is."""
+
+    a: Any
+    b: Any
+
+    def __call__(self, x):
+        return x
+
+
+def test_a_mask_that_is_a_callable_tree_is_taken_as_a_tree():
+    """An Equinox model is a callable pytree: a mask built over one (jax.tree.map over the
+    model) was refused as "not a function", with no way in but wrapping params and mask in a
+    dict (an Equinox trial). It is a tree: the same bits as the mask given in a dict."""
+    params = CallableTree(PARAMS["a"], PARAMS["b"])
+    keep = np.arange(5) % 2 == 0
+    for mask_of in (
+        lambda m: zero_one(mask=m),
+        lambda m: zero_one(weight_decay=0.1, weight_decay_mask=m),
+        lambda m: onebit(mask=m),
+    ):
+        got = train(mask_of(CallableTree(1.0, keep)), params)[0]
+        want = train(mask_of({"a": 1.0, "b": keep}), PARAMS)[0]
+        np.testing.assert_array_equal(got.a, want["a"])
+        np.testing.assert_array_equal(got.b, want["b"])
+    with pytest.raises(ValueError, match="not a function"):  # a function still is one
+        per_worker(zero_one(mask=lambda p: p).init, PARAMS)
 
 
 # --- the worker axis ---------------------------------------------------------------------------

@@ -609,7 +609,10 @@ def check_mask(mask: Any, params: Any, name: str = "mask") -> None:
     ``params`` of 0/1 values (per leaf or per element)."""
     if mask is None:
         return
-    if callable(mask) and not hasattr(mask, "shape"):  # a function (a leaf of its own)
+    # a function: a leaf of its own (a callable pytree node, an Equinox model of 0/1 values,
+    # is a tree like the params: it was refused as a function, with no way in but a wrapper)
+    leaves = jax.tree.leaves(mask)
+    if callable(mask) and len(leaves) == 1 and leaves[0] is mask:
         raise ValueError(
             f"{name} must be a pytree of 0/1 like the params, not a function (optax's masks "
             f"take either; here the tree is needed before the params are flattened): pass "
