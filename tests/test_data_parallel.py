@@ -1116,6 +1116,44 @@ def test_two_processes_move_a_model_sharded_state_to_fewer_data_workers(tmp_path
     np.testing.assert_array_equal(parts[0]["losses"], parts[1]["losses"])
 
 
+def test_two_models_on_steps_of_their_own_are_not_refused_for_each_other():
+    """A GAN's documented shape: a step per model, each dp.jit with its optimizer's schedule,
+    each taking the whole params (it needs the other model) and returning the other's as given.
+    The dispatcher's params check read the other model's leaves right after this model's sync,
+    where they are mid-interval of their own, and raised "The workers' params differ" (a trial,
+    at step 10). A leaf the step leaves as it was is not its optimizer's: the run now goes on,
+    and follows the same alternation deciding in the graph."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    params = {"a": host_params(0), "b": host_params(1)}  # the same leaf names in both
+    dp = ozo.data_parallel(mesh, params)
+    tx = {"a": make_tx(), "b": make_tx()}
+
+    def step_of(name, other):
+        def step(p, s, x, step_kind=None):
+            kw = {} if step_kind is None else {"step_kind": step_kind}
+            loss, g = jax.value_and_grad(lambda q: loss_fn(q, x) + 0.1 * loss_fn(p[other], x))(
+                p[name]
+            )
+            u, s = tx[name].update(g, s, p[name], **kw)
+            return {name: optax.apply_updates(p[name], u), other: p[other]}, s, loss
+
+        return step
+
+    def run(schedule):
+        p = dp.to_workers(params)
+        s = {name: dp.init(tx[name], p[name]) for name in tx}
+        train = {name: dp.jit(step_of(name, other), schedule=schedule) for name, other in
+                 (("a", "b"), ("b", "a"))}  # fmt: skip
+        for x in batches(STEPS):
+            for name in ("a", "b"):
+                p, s[name], _ = train[name](p, s[name], x)
+        return p
+
+    dispatched, in_graph = run(SCHEDULE), run(None)
+    for got, want in zip(jax.tree.leaves(dispatched), jax.tree.leaves(in_graph), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("how", ["in-graph", "dispatched", "precompiled", "skip_not_finite"])
 def test_a_plain_optimizer_beside_ours_is_warned_about_at_the_first_compile(how):
     """optax.adamw on the bias beside 0/1 Adam in an optax.multi_transform (a trial: "no
