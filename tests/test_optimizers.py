@@ -58,6 +58,20 @@ def schedule(count):
 
 CASES = {
     "plain": dict(learning_rate=0.05, weight_decay=0.0, mask=None),
+    # coordinates no gradient ever reaches (unused embedding rows, dead ReLU units): their v
+    # stays 0; DeepSpeed's update divides their 1-bit momentum by eps there (an Equinox trial:
+    # such rows moved 1.7e3 at 0/1 Adam's first compressed step); here they stay put
+    "dead coordinates": dict(
+        learning_rate=0.05,
+        weight_decay=0.0,
+        mask=None,
+        dead=[
+            np.repeat([[1.0], [1.0], [1.0], [1.0], [0.0], [0.0]], 5, axis=1),
+            np.ones((5,)),
+            (np.arange(15).reshape(5, 3) % 3 != 0).astype(float),
+            np.ones(3),
+        ],
+    ),
     "wd+schedule+mask": dict(
         learning_rate=schedule,
         weight_decay=0.01,
@@ -91,6 +105,8 @@ def run_against_reference(kind, case, mode="vmap"):
     history = []
     for k in range(STEPS):
         grads = local_grads(ref.x, targets, curvature, noise[k])
+        if case.get("dead") is not None:
+            grads = [[g * d for g, d in zip(w, case["dead"], strict=True)] for w in grads]
         ref.step(grads)
         x, state = run(x, state, to_layout(grads))
         jax.block_until_ready(x)
@@ -148,6 +164,13 @@ def test_follows_reference_step_by_step(kind, case):
                     atol=1e-8,
                     err_msg=where,
                 )
+    dead = CASES[case].get("dead")
+    if dead is not None:  # never moved, bit for bit (no decay in this case)
+        start = to_layout([problem()[0]] * N)
+        for leaf, d in enumerate(dead):
+            np.testing.assert_array_equal(
+                np.asarray(history[-1][1][leaf])[:, d == 0], np.asarray(start[leaf])[:, d == 0]
+            )
 
 
 def test_workers_agree_after_every_sync():
@@ -287,13 +310,15 @@ def test_state_can_be_donated():
 
 def _decay_per_step(tx, steps, x0=1.0):
     """Per-step shrink rate of uniform params under zero gradients, over the last half of
-    ``steps`` (uniform values: every compressed quantity is exact)."""
+    ``steps`` (uniform values: every compressed quantity is exact). The first gradient is 1,
+    so that ``v`` is not 0 (a coordinate whose ``v`` is 0 does not move by its momentum)."""
     params = {"x": jnp.full((8,), x0, jnp.float32)}
     state = tx.init(params)
     update = jax.jit(tx.update)
     xs = []
-    for _ in range(steps):
-        u, state = update(jax.tree.map(jnp.zeros_like, params), state, params)
+    for k in range(steps):
+        g = jax.tree.map(lambda x, k=k: jnp.full_like(x, k == 0), params)
+        u, state = update(g, state, params)
         params = optax.apply_updates(params, u)
         xs.append(float(params["x"][0]))
     half = steps // 2

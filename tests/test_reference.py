@@ -633,5 +633,6 @@ def test_onebit_adam_compressed_step_hand():
     expected_m = np.concatenate([np.ones(8), np.zeros(8)])
     expected_m[0] = 0.0
     np.testing.assert_allclose(opt.m[0][0], expected_m, rtol=1e-14, atol=1e-15)
-    # v is zero (never updated), so the step is x - lr * m / eps.
-    np.testing.assert_allclose(opt.x[0][0], x0 - 0.5 * expected_m / 1e-8, rtol=1e-14)
+    # v is zero (never updated): a coordinate with no variance does not move by its momentum
+    # (DeepSpeed's step would be x - lr m / eps, 5e7 here: docs/algorithm.md)
+    np.testing.assert_array_equal(opt.x[0][0], x0)

@@ -162,6 +162,12 @@ class ParamsAverage:
         del inner_state
         return None
 
+    def unweighted(self, inner_state: Any, mean: Any) -> Any:
+        """The averaged distance from the anchor from the mean of the weighted payloads
+        (``what / w``); the anchor moves by minus it."""
+        weight = self.weight(inner_state)
+        return mean if weight is None else jax.tree.map(jnp.divide, mean, weight)
+
     def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
         """The inner state after a sync: nothing to reset.
 
@@ -571,9 +577,12 @@ def _payload(rule: Any, inner_state: Any, anchor: Any, x: Any, step: Any, first:
 
 
 def _pseudo_gradient(rule: Any, inner_state: Any, mean: Any) -> Any:
-    """``what / w``: the averaged distance from the anchor (the anchor moves by minus it)."""
-    weight = rule.weight(inner_state)
-    return mean if weight is None else jax.tree.map(jnp.divide, mean, weight)
+    """``what / w``: the averaged distance from the anchor (the anchor moves by minus it); a
+    rule of its own making without ``unweighted`` gets :class:`ParamsAverage`'s."""
+    own = getattr(rule, "unweighted", None)
+    return (
+        ParamsAverage.unweighted(rule, inner_state, mean) if own is None else own(inner_state, mean)
+    )
 
 
 def _lent(rule: Any, inner_state: Any, start_step: Any, own: Any) -> Any:

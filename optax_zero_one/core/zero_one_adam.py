@@ -29,6 +29,7 @@ from optax_zero_one.core import collective as collective_lib  # `collective` nam
 from optax_zero_one.core.comm import Comm
 from optax_zero_one.core.frozen_variance import (
     FrozenVarianceAdamState,
+    adam_direction,
     scale_by_frozen_variance_adam,
 )
 from optax_zero_one.core.scheduled_mean import ScheduledMeanState, scheduled_mean_over
@@ -72,6 +73,13 @@ class FrozenAdamSync(local_steps.ParamsAverage):
     def weight(self, inner_state: Any) -> Any:
         nu = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").nu
         return jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, nu)
+
+    def unweighted(self, inner_state: Any, mean: Any) -> Any:
+        """``what / (sqrt(v) + eps)``, 0 where ``v`` is 0 (as the local steps' direction,
+        :func:`~optax_zero_one.core.frozen_variance.adam_direction`: such a coordinate's payload
+        is 0, but its 1-bit mean is the leaf's scale times a sign)."""
+        nu = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").nu
+        return jax.tree.map(lambda w, v: adam_direction(w, v, self.eps), mean, nu)
 
     def after_sync(self, inner_state: Any, mean: Any, lr_sum: jax.Array, ok: jax.Array) -> Any:
         old = _graph.only_node(inner_state, FrozenVarianceAdamState, "FrozenAdamSync").mu

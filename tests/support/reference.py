@@ -285,6 +285,13 @@ def _apply_mask(mask: list[np.ndarray] | None, leaves: list[np.ndarray]) -> list
     return [mk * x for mk, x in zip(mask, leaves, strict=True)]
 
 
+def _direction(m: np.ndarray, v: np.ndarray, eps: float) -> np.ndarray:
+    """``m / (sqrt(v) + eps)``, 0 where ``v`` is 0: a coordinate no gradient has reached at a
+    variance step does not move by its momentum (DeepSpeed divides by ``eps`` there: see
+    docs/algorithm.md, "Where we differ from DeepSpeed")."""
+    return np.where(v > 0, m / (np.sqrt(v) + eps), 0.0)
+
+
 class ZeroOneAdam:
     """0/1 Adam over ``N`` simulated workers (``docs/algorithm.md``, "0/1 Adam")."""
 
@@ -357,7 +364,7 @@ class ZeroOneAdam:
             for i in range(n_workers):
                 for leaf in range(n_leaves):
                     x = self.x[i][leaf]
-                    d = self.m[i][leaf] / self._denominator(i, leaf) + wd * x
+                    d = _direction(self.m[i][leaf], self.v[i][leaf], self.eps) + wd * x
                     self.x[i][leaf] = x - lr * d
             if k == self.var_freeze_step:
                 # Variance freezes; the error buffers will now hold accumulator errors.
@@ -368,7 +375,7 @@ class ZeroOneAdam:
                 for leaf in range(n_leaves):
                     self.m[i][leaf] = b1 * self.m[i][leaf] + (1 - b1) * grads[i][leaf]
                     x = self.x[i][leaf]
-                    d = self.m[i][leaf] / self._denominator(i, leaf) + wd * x
+                    d = _direction(self.m[i][leaf], self.v[i][leaf], self.eps) + wd * x
                     self.x[i][leaf] = x - lr * d
                     self.u[i][leaf] = self.u[i][leaf] + lr * d
                 self.lrs[i] += lr
@@ -384,7 +391,9 @@ class ZeroOneAdam:
                 for i in range(n_workers):
                     for leaf in range(n_leaves):
                         self.m[i][leaf] = what[leaf] / self.lrs[i]
-                        self.x[i][leaf] = self.x[i][leaf] - what[leaf] / self._denominator(i, leaf)
+                        self.x[i][leaf] = self.x[i][leaf] - _direction(
+                            what[leaf], self.v[i][leaf], self.eps
+                        )
                         self.u[i][leaf] = np.zeros_like(self.u[i][leaf])
                     self.lrs[i] = 0.0
                 self.last_kind = "sync"
@@ -454,7 +463,7 @@ class OnebitAdam:
         for i in range(n_workers):
             for leaf in range(n_leaves):
                 x = self.x[i][leaf]
-                d = self.m[i][leaf] / (np.sqrt(self.v[i][leaf]) + self.eps) + wd * x
+                d = _direction(self.m[i][leaf], self.v[i][leaf], self.eps) + wd * x
                 self.x[i][leaf] = x - lr * d
         self.step_count = k
 
