@@ -1221,6 +1221,38 @@ def test_a_step_called_with_other_arguments_says_how_to_call_it(schedule):
             train.precompile(p, s)
 
 
+def test_trees_that_are_not_the_params_and_traced_calls_say_what_to_do():
+    """From an Equinox trial and a several-models trial, each failing inside JAX before: a
+    model with a function among its leaves ("not a valid JAX type", at to_workers), another
+    tree given to to_workers / from_workers / synchronized_params without its specs (one
+    model of a GAN's two: "pytree structure error ... pjit out_shardings"), and a dp.jit
+    step or dispatcher called inside jax.jit ("is_deleted() ... called on traced array")."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:N])
+    with pytest.raises(ValueError, match=r"param \['act'\] is a function, not an array"):
+        ozo.data_parallel(mesh, {"w": np.ones(3, np.float32), "act": lambda x: x})
+    params = {"g": host_params(0), "d": host_params(1)}
+    dp = ozo.data_parallel(mesh, params)
+    with pytest.raises(ValueError, match="pass its specs .* a helper per model"):
+        dp.to_workers(params["g"])
+    p = dp.to_workers(params)
+    s = dp.init(make_tx(), p["g"])
+    with pytest.raises(ValueError, match="a helper per model"):
+        dp.from_workers(p["g"])
+    with pytest.raises(ValueError, match="a helper per model"):
+        dp.synchronized_params(p["g"], s)
+    assert dp.from_workers(p["g"], jax.tree.map(lambda _: P(), params["g"])).keys() == {
+        "b", "w1", "w2"
+    }  # fmt: skip
+
+    def step(p, s, x, step_kind=None):
+        return p, s, x.sum()
+
+    for schedule in (None, SCHEDULE):
+        train = dp.jit(step, schedule=schedule)
+        with pytest.raises(TypeError, match="called from Python with arrays"):
+            jax.jit(train)(p, s, batches(1)[0])
+
+
 def test_a_context_mesh_changes_nothing():
     """Under ``jax.set_mesh(mesh)`` (JAX's way to name the mesh of a block of code) the
     helpers' host-side programs run on one device's arrays, which a context mesh refuses

@@ -68,6 +68,7 @@ def _check_not_donated(params: Any, opt_state: Any) -> None:
     donating step consumed: launched with them, XLA:CPU crashes the process (a segmentation
     fault, jax 0.10) instead of raising. A donated tree is consumed whole, so one leaf of each
     tells."""
+    dispatch.check_not_traced((params, opt_state), "A dp.jit step")
     for name, tree in (("params", params), ("opt_state", opt_state)):
         leaf = _graph.first_leaf(tree)
         if leaf is not None and leaf.is_deleted():
@@ -187,8 +188,9 @@ class DataParallel:
         (``jax.make_array_from_single_device_arrays``), so this works when the mesh spans
         several processes.
         """
+        given = specs is not None
         specs = self.param_specs if specs is None else specs
-        _check_structure(tree, specs, "the tree", "its specs")
+        _check_structure(tree, specs, "the tree", "its specs" if given else _PARAMS_SPECS)
 
         @distributed.outside_user_mesh
         def one(path: Any, x: Any, spec: P) -> jax.Array:
@@ -247,6 +249,9 @@ class DataParallel:
         if not -n <= worker < n:
             raise ValueError(f"worker={worker}, but there are {n} data workers (0 to {n - 1}).")
         self.check_worker_layout(tree, "the tree")
+        _check_structure(
+            tree, specs, "the tree", _PARAMS_SPECS if specs is self.param_specs else "its specs"
+        )
         leaves, treedef = jax.tree.flatten(specs)
         program = self._program(
             ("from_workers", int(worker), treedef, tuple(leaves)),
@@ -744,6 +749,7 @@ class DataParallel:
         ``param_specs``, no worker axis): what to evaluate, export or checkpoint."""
         self.check_worker_layout(params, "params")
         specs, stack = self.param_specs, P(self.other_axes)
+        _check_structure(params, specs, "params", _PARAMS_SPECS)
 
         def make(helper: DataParallel) -> Callable[..., Any]:
             def one(p: Any, s: Any) -> Any:
@@ -1069,6 +1075,15 @@ def data_parallel(
         )
 
     def spec_of(path: Any, x: Any) -> P:
+        if not isinstance(x, P | int | float | np.generic) and not (
+            hasattr(x, "shape") and hasattr(x, "dtype")
+        ):  # an Equinox model's activation function failed later, inside JAX (a trial)
+            raise ValueError(
+                f"param {_checks.leaf_name(path)} is a {type(x).__name__}, not an array: "
+                "data_parallel takes the params as a tree of arrays (or PartitionSpecs). Keep "
+                "the rest out of it, e.g. with Equinox params, static = eqx.partition(model, "
+                "eqx.is_array), and put the model together inside the step (eqx.combine)."
+            )
         if isinstance(x, P):
             spec = x
         elif isinstance(getattr(x, "sharding", None), NamedSharding):
@@ -1313,6 +1328,16 @@ def _hinted(jaxpr: Any) -> bool:
         if any(_hinted(inner) for inner in _inner(eqn)):
             return True
     return False
+
+
+# what a tree is compared with when no specs are given, and what to do about it (a trial gave
+# one model of a GAN's two: "pytree structure error ... pjit out_shardings", from inside JAX)
+_PARAMS_SPECS = (
+    "the params this helper was built for (data_parallel(mesh, params)). For another tree "
+    "pass its specs (specs=jax.tree.map(lambda _: P(), tree) for replicated values); for one "
+    "model of several, build a helper per model on the same mesh "
+    "(ozo.data_parallel(mesh, params['generator']))"
+)
 
 
 def _check_structure(tree: Any, specs: Any, what: str, specs_what: str) -> None:

@@ -215,6 +215,19 @@ def consumed(name: str, instead: str) -> RuntimeError:
     )
 
 
+def check_not_traced(tree: Any, who: str) -> None:
+    """Raises ``TypeError`` where ``tree`` holds a tracer: a dispatcher or a ``dp.jit`` step
+    called inside ``jax.jit``, ``lax.scan`` or another step, where JAX said "The is_deleted()
+    method was called on traced array" (a trial)."""
+    if isinstance(_graph.first_leaf(tree), jax.core.Tracer):  # traced, traced whole: per step
+        raise TypeError(
+            f"{who} is called from Python with arrays, once per step: it chooses each step's "
+            "program on the host and runs it, so it cannot run inside jax.jit, a lax.scan or "
+            "another step. Call the step function you gave it inside (with step_kind= the "
+            "kind, or without a hint to decide in the graph), or call this one from your loop."
+        )
+
+
 def _deleted(x: Any) -> bool:
     is_deleted = getattr(x, "is_deleted", None)
     return bool(is_deleted()) if is_deleted is not None else False
@@ -524,6 +537,7 @@ class KindDispatcher:
                 f"state_index={self._state_index}, but the step got {len(args)} arguments: "
                 "pass state_index= the position of opt_state among them."
             )
+        check_not_traced(args[self._state_index], "The dispatcher")
         self._sync_with(args[self._state_index])
         if not self._agreed:  # before any program that would wait on a process in vain
             # dp.jit's (counts in the program): the params are its first argument and result
