@@ -790,6 +790,33 @@ def test_a_state_inside_a_dataclass_is_checked_as_a_bare_one():
         wrong.settle()
 
 
+def test_another_run_s_state_at_this_run_s_step_is_checked_too():
+    """A dispatcher checked a state from elsewhere against its schedule only when its count
+    differed from the dispatcher's own: another run's checkpoint of the same cadence, restored
+    into a running loop at the same step, was taken on trust (a trial: 40 steps, no error).
+    Every state the dispatcher did not return itself is checked now; refused, the run goes on
+    with its own, and a copy of its own passes."""
+    other_local = ozo.LocalStepDoubling(scaler=3, clipper=4)
+    foreign_tx = ozo.scale_by_zero_one_adam(
+        1e-2, variance_policy=VARIANCE, local_step_policy=other_local, axis_name=AXIS
+    )
+    runs, foreign_schedule = [], ozo.StepSchedule(VARIANCE, other_local)
+    for t, schedule in ((zero_one(), SCHEDULE), (foreign_tx, foreign_schedule)):
+        params, run = params0(), _dispatched_with(t, schedule)
+        state = jax.vmap(t.init, axis_name=AXIS)(params)
+        for k in range(1, 19):
+            params, state = run(params, state, grads_at(k))
+        runs.append((params, state, run))
+    (params, state, run), (foreign_params, foreign_state, _) = runs
+    with pytest.raises(ValueError, match=r"state at step 18 is not where this schedule puts it"):
+        run(foreign_params, foreign_state, grads_at(19))
+    params, state = run(params, jax.tree.map(jnp.copy, state), grads_at(19))
+    for k in range(20, 30):
+        params, state = run(params, state, grads_at(k))
+    run.settle()
+    assert ozo.step_count(state) == 29
+
+
 def test_a_schedule_for_scheduled_mean_alone():
     """A StepSchedule without a local-step policy names 1-bit Adam's kinds; with a variance
     policy that has other steps before its freeze, those got phase B's "compressed", which

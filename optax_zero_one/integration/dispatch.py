@@ -756,12 +756,14 @@ class KindDispatcher:
         if counter is not self._last_counter:  # first call, or a state from elsewhere
             _check_one_count(state)
             _graph.check_no_per_worker_skip(state, "The step dispatched by kind")
+            confirmed = np.asarray(_host_counts(counter, refused))
+            # a first call, or a restore: also one at the step this run is at (another run's
+            # checkpoint of the same cadence was taken on trust, a trial), or a copy. Checked
+            # before the dispatcher takes it: refused, the run goes on with its own state
+            checkpoint.restore_checks(state, self.schedule, int(confirmed[0]), self._walk)
             self._pending.clear()
             self._types = [cls for cls, _ in refused]
-            self._confirmed = np.asarray(_host_counts(counter, refused))
-            if int(self._confirmed[0]) + 1 != self.step:  # a first call, or a restore
-                count = int(self._confirmed[0])
-                checkpoint.restore_checks(state, self.schedule, count, self._walk)
+            self._confirmed = confirmed
             self.step = int(self._confirmed[0]) + 1
             self._last_counter, self._last_refused = counter, refused
             self._since_check = 0
