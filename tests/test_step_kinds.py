@@ -548,7 +548,7 @@ def test_precompile_in_background_while_the_run_goes_on():
     """The run starts at once (its arrays donated) while every kind compiles in the background;
     each step waits for its own kind's program, none is compiled twice, the bits are those of
     kinds compiled lazily. A compile that fails raises from the future and from the first step
-    of its kind."""
+    of its kind, which compiles itself; the other kinds' steps run."""
     tx = zero_one()
 
     def make(broken=None):
@@ -580,10 +580,21 @@ def test_precompile_in_background_while_the_run_goes_on():
     done = broken.precompile_in_background(params, state, grads_at(1))
     with pytest.raises(ValueError, match="cannot trace the sync step"):
         done.result()
-    p, s = params, state
+    p, s = jax.tree.map(jnp.copy, (params, state))
     with pytest.raises(ValueError, match="cannot trace the sync step"):
         for k in range(1, 12):  # step 9 is the first sync
             p, s = broken(p, s, grads_at(k))
+    # the other kinds' steps ran (they compile themselves): a trial saw a step of another kind
+    # raise the sync's error, and a good step raise that of a precompile given other shapes
+    assert k == 9 and ozo.step_count(s) == 8
+    good = make()
+    other_shapes = jax.tree.map(lambda g: g[..., None], grads_at(1))
+    done = good.precompile_in_background(params, state, other_shapes)
+    p, s = params, state
+    for k in range(1, 12):
+        p, s = good(p, s, grads_at(k))
+    with pytest.raises(Exception):  # noqa: B017 (JAX's own shape error)
+        done.result()
 
 
 def test_precompile_takes_pmap_programs():

@@ -428,7 +428,8 @@ class KindDispatcher:
         the host's cores with the run meanwhile. Takes the same arguments (real arrays are
         read for their shapes, dtypes and shardings before this returns, so the run may
         donate them); returns a ``Future`` of :meth:`precompile`'s result, whose ``result()``
-        raises a compile error (so does the first step of that kind)."""
+        raises a compile error (the kinds it did not compile then compile at their first step,
+        which raises the error of its own if it has one)."""
         programs = self._ahead_of_time(args, kinds)
         shapes = jax.tree.map(_shape_of, args)
         waiting = {name: concurrent.futures.Future() for name in programs}
@@ -439,12 +440,15 @@ class KindDispatcher:
         def run() -> None:
             try:
                 done.set_result(self._precompile(programs, shapes, max_workers, waiting))
-            except BaseException as err:  # every step waiting for a kind learns of it
+            except BaseException as err:
+                # a step waiting for a kind not compiled compiles it itself, and raises its own
+                # error if it has one: given this one, a step of another kind raised it, and a
+                # good step that of a precompile given other shapes (a trial)
                 with self._lock:
                     for name, future in waiting.items():
                         self._waiting.pop(name, None)
                         if not future.done():
-                            future.set_exception(err)
+                            future.set_result(None)
                 done.set_exception(err)
 
         threading.Thread(target=run, name="precompile", daemon=True).start()
