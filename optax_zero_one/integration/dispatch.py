@@ -594,7 +594,6 @@ class KindDispatcher:
             # averages, so the params themselves are alike on every worker), at once
             every_step_averages = self.schedule.local_step_policy is None
             if not self._compared and (every_step_averages or not kind.phase_a):
-                self._compared = True
                 # the leading axis is the workers' where dp.jit says so, or where the step
                 # returns params in the worker layout (params_index): also for a state without
                 # flat buffers (a float-sync diloco), whose layout records no worker count
@@ -603,18 +602,19 @@ class KindDispatcher:
                 if every_step_averages and self._params_index is not None:
                     params = out[self._params_index]
                 check_workers_agree(out[self._state_index], counter, self.step, known, params)
+                self._compared = True  # once done: an interrupt inside leaves it to do again
         if self._params_index is not None and self._params_checks < PARAMS_CHECKS:
             # at the first syncs after a local step (the workers apart before it): a sync lands
             # every worker on the same point. More than one: a wrapper with a period of its own
             # (optax.lookahead every 5 steps) may agree at one sync and part at the next (a trial)
             if checks_params:
-                self._params_checks += 1
                 try:
                     layout = flat.find_layout(out[self._state_index])
                     check_params_agree(out[self._params_index], counter, self.step, before, layout)
                 except ValueError as apart:
                     self._explain(out[self._state_index], counter, refused, kind, apart)
                     raise
+                self._params_checks += 1  # once done, as above
             self._after_local = self._after_local or not (kind.phase_a or kind.sync)
             # what the next call passes, if it is a checked sync (none before local steps:
             # phase A's steps pay nothing for it)
