@@ -589,6 +589,7 @@ class DataParallel:
                         traced = mapped[0].trace(params, opt_state, batch)
                         lowered = traced.lower()
                         self._warn_if_leaves_apart(traced.jaxpr, params, opt_state, warned)
+                        program.passed_through = _params_passed_through(traced.jaxpr, params)
                         if kind is None:
                             sizes = [len(jax.tree.leaves(t)) for t in (params, opt_state)]
                             self._warn_if_no_mean(traced.jaxpr, *sizes)
@@ -613,9 +614,13 @@ class DataParallel:
                 keep(params, opt_state)
                 traced = mapped[0].trace(params, opt_state, batch)
                 self._warn_if_leaves_apart(traced.jaxpr, params, opt_state, warned)
+                program.passed_through = _params_passed_through(traced.jaxpr, params)
                 return traced.lower()
 
             program.lower = lower  # type: ignore[attr-defined]
+            # the params leaves the step returns as given (a GAN's other model), which the
+            # dispatcher's params check leaves out: known once the program is traced
+            program.passed_through = frozenset()  # type: ignore[attr-defined]
             return program
 
         if schedule is None:
@@ -1227,6 +1232,18 @@ def _three(args: tuple, kwargs: dict, call: str) -> tuple[Any, Any, Any]:
         f"by position; got {got}. The batch may be any tree (pass several arrays as one tuple "
         "or dict); each step's kind comes from the dispatcher (dp.jit(step, schedule=...)), "
         "not from the call."
+    )
+
+
+def _params_passed_through(closed: Any, params: Any) -> frozenset:
+    """The key paths of the params leaves a step's traced program (``closed``: its first
+    inputs and outputs the params) returns as it was given them."""
+    body, made = closed.jaxpr, {}
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return frozenset(
+        jax.tree_util.keystr(path)
+        for i, ((path, _), out) in enumerate(zip(leaves, body.outvars, strict=False))
+        if _passed_through(body, out, made) == i
     )
 
 

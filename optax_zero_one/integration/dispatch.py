@@ -559,11 +559,10 @@ class KindDispatcher:
             and self._after_local
         )
         # the params before the sync, read before the step donates them: how far apart the
-        # workers' rounding may leave them, and which leaves the step leaves as they were
-        # (check_params_agree). They are the argument that holds the last call's returned
-        # params (params_index is their place among the results; among the arguments it may
-        # differ), else the first of their structure (another step ran between: a GAN's other
-        # model's); none found: the plain bound
+        # workers' rounding may leave them (check_params_agree). They are the argument that
+        # holds the last call's returned params (params_index is their place among the
+        # results; among the arguments it may differ), else the first of their structure
+        # (another step ran between: a GAN's other model's); none found: the plain bound
         given = None
         if checks_params and self._returned is not None:
             given = next((a for a in args if _graph.first_leaf(a) is self._returned), None)
@@ -610,7 +609,10 @@ class KindDispatcher:
             if checks_params:
                 try:
                     layout = flat.find_layout(out[self._state_index])
-                    check_params_agree(out[self._params_index], counter, self.step, before, layout)
+                    passed = _passed_through(self._raw[kind.name])
+                    check_params_agree(
+                        out[self._params_index], counter, self.step, before, layout, passed
+                    )
                 except ValueError as apart:
                     self._explain(out[self._state_index], counter, refused, kind, apart)
                     raise
@@ -1151,33 +1153,27 @@ PARAMS_CHECKS = 3  # syncs after which a dispatcher compares the workers' params
 
 
 @outside_user_mesh
-def _peaks(params: Any, counter: Any) -> dict[str, tuple[float, dict]]:
+def _peaks(params: Any, counter: Any) -> dict[str, float]:
     """The largest magnitude among the sampled elements of each leaf of ``params`` (every
-    worker's), by key path: what the rounding of a step on them scales with; and the samples
-    themselves (:func:`_samples`), to tell a leaf the step leaves as it was."""
+    worker's), by key path: what the rounding of a step on them scales with."""
     peaks = {}
     for path, leaf in _worker_leaves(params, counter):
         if jnp.issubdtype(leaf.dtype, jnp.floating):
-            samples = _samples(leaf)
-            rows = [r for found in samples.values() for _, r in found]
-            peaks[jax.tree_util.keystr(path)] = (
-                max(
-                    (float(np.max(np.abs(r.astype(np.float64)), initial=0.0)) for r in rows),
-                    default=0.0,
-                ),
-                samples,
+            rows = [r for found in _samples(leaf).values() for _, r in found]
+            peaks[jax.tree_util.keystr(path)] = max(
+                (float(np.max(np.abs(r.astype(np.float64)), initial=0.0)) for r in rows),
+                default=0.0,
             )
     return peaks
 
 
-def _unchanged(before: dict, after: dict) -> bool:
-    """Whether every worker's sampled elements of a leaf are what they were (``_samples``)."""
-    if before.keys() != after.keys():
-        return False
-    return all(
-        len(b) == len(a) and all(i == j and np.array_equal(x, y) for (i, x), (j, y) in zip(b, a))
-        for b, a in ((before[k], after[k]) for k in after)
-    )
+def _passed_through(program: Any) -> frozenset:
+    """The key paths of the params leaves ``program`` returns as given, where it says
+    (``dp.jit``'s programs record them from their traced program: ``passed_through``)."""
+    found = getattr(program, "passed_through", None)
+    if found is None:  # a precompiled program wraps the step's
+        found = getattr(getattr(program, "program", None), "passed_through", None)
+    return found or frozenset()
 
 
 @outside_user_mesh
@@ -1185,19 +1181,21 @@ def check_params_agree(
     params: Any,
     counter: Any,
     step: int | None = None,
-    before: dict[str, tuple[float, dict]] | None = None,
+    before: dict[str, float] | None = None,
     layout: Any = None,
+    passed: frozenset = frozenset(),
 ) -> None:
     """Raises ``ValueError`` if, right after a sync, the workers' params differ by more than
     the rounding of ``x + (xbar - x)`` in their dtype (a few ulps of the larger of ``x`` and
     ``xbar``; ``before``: the peaks of the params before the sync, :func:`_peaks`): a sync
     lands every worker on the synchronised point, unless something after the optimizer changed
-    its update or a wrapper skipped it on one worker. A leaf the step left as it was (the
-    samples in ``before``) is not its optimizer's: another model's params, passed through a
-    GAN's discriminator step (a trial found them refused mid-interval of their own). A
-    dispatcher that knows where the params are calls this after the first
-    :data:`PARAMS_CHECKS` syncs that follow a local step (a read back from the device each, and
-    one of the params before the sync). ``layout``: the
+    its update or a wrapper skipped it on one worker. ``passed``: the key paths of leaves the
+    step's program returns as it was given them, which are not its optimizer's (another
+    model's params, passed through a GAN's discriminator step: a trial found them refused
+    mid-interval of their own); where the step changes a leaf at some steps only (a wrapper's
+    slow weights) it is compared. A dispatcher that knows where the params are calls this
+    after the first :data:`PARAMS_CHECKS` syncs that follow a local step (a read back from the
+    device each, and one of the params before the sync). ``layout``: the
     state's flat layout, whose paths are the leaves the optimizer was given, to say so of a
     leaf that is none of them."""
     for path, leaf in _worker_leaves(params, counter):
@@ -1206,11 +1204,10 @@ def check_params_agree(
         ulps = 8 * float(jnp.finfo(leaf.dtype).eps)
         # a worker's params before the sync may be far larger than the synchronised point (a
         # DiLoCo outer step lands near 0): x + (xbar - x) rounds at x's scale (a trial)
-        prior, samples = (before or {}).get(jax.tree_util.keystr(path), (0.0, None))
-        found_now = _samples(leaf)
-        if samples is not None and _unchanged(samples, found_now):
+        if jax.tree_util.keystr(path) in passed:
             continue
-        for found in found_now.values():
+        prior = (before or {}).get(jax.tree_util.keystr(path), 0.0)
+        for found in _samples(leaf).values():
             first = found[0][1].astype(np.float64)
             scale = max(float(np.max(np.abs(first), initial=0.0)), prior, 1e-30)
             for worker, row in found[1:]:
