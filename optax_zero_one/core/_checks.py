@@ -658,21 +658,26 @@ def standard_numpy(fn: Any) -> Any:
     return run
 
 
+def standard_transformation(init_fn: Any, update_fn: Any) -> optax.GradientTransformationExtraArgs:
+    """``init_fn`` and ``update_fn`` as an Optax transform, both traced with NumPy's promotion
+    rules (:func:`standard_numpy`)."""
+    return optax.GradientTransformationExtraArgs(standard_numpy(init_fn), standard_numpy(update_fn))
+
+
 def transformation(
     init_fn: Any, update_fn: Any, state_type: type, name: str
 ) -> optax.GradientTransformationExtraArgs:
     """``init_fn`` and ``update_fn`` as an Optax transform whose ``update`` first checks that it
-    was given its own state (``state_type``), naming the transform (``name``) if not; both
-    traced with NumPy's promotion rules (:func:`standard_numpy`)."""
+    was given its own state (``state_type``), naming the transform (``name``) if not
+    (:func:`standard_transformation`)."""
 
-    @standard_numpy
     def checked_update(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, Any]:
         check_state_type(state, state_type, name)
         return update_fn(updates, state, params, **extra_args)
 
-    return optax.GradientTransformationExtraArgs(standard_numpy(init_fn), checked_update)
+    return standard_transformation(init_fn, checked_update)
 
 
 def check_state_type(state: Any, expected: type, optimizer: str) -> None:

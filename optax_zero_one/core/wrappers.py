@@ -376,6 +376,4 @@ def decayed_weights(
             params = jax.tree.map(lambda m, x: x * jnp.asarray(m, x.dtype), mask, params)
         return inner.update(updates, state, params)
 
-    return optax.GradientTransformationExtraArgs(
-        _checks.standard_numpy(init_fn), _checks.standard_numpy(update_fn)
-    )
+    return _checks.standard_transformation(init_fn, update_fn)

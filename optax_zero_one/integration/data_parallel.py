@@ -68,9 +68,9 @@ def _check_not_donated(params: Any, opt_state: Any) -> None:
     donating step consumed: launched with them, XLA:CPU crashes the process (a segmentation
     fault, jax 0.10) instead of raising. A donated tree is consumed whole, so one leaf of each
     tells."""
-    dispatch.check_not_traced((params, opt_state), "A dp.jit step")
     for name, tree in (("params", params), ("opt_state", opt_state)):
         leaf = _graph.first_leaf(tree)
+        dispatch.check_not_traced(leaf, "A dp.jit step")
         if leaf is not None and leaf.is_deleted():
             raise dispatch.consumed(name, "dp.jit(..., donate=False)")
 
@@ -408,9 +408,7 @@ class DataParallel:
             inner = jax.tree.map(_graph.vary_like, inner, state.inner)
             return jax.tree.unflatten(treedef, out), ShardLocalState(inner)
 
-        return optax.GradientTransformationExtraArgs(
-            _checks.standard_numpy(init_fn), _checks.standard_numpy(update_fn)
-        )
+        return _checks.standard_transformation(init_fn, update_fn)
 
     def _per_shard(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
         """``fn`` inside the step, manual over the other axes too: it sees each device's shard.
@@ -585,14 +583,11 @@ class DataParallel:
                 with compiling:
                     compiled_here = first[0] is None
                     if compiled_here:
-                        keep(params, opt_state)
-                        traced = mapped[0].trace(params, opt_state, batch)
+                        traced = trace(params, opt_state, batch)
                         lowered = traced.lower()
-                        self._warn_if_leaves_apart(traced.jaxpr, params, opt_state, warned)
-                        program.passed_through = _params_passed_through(traced.jaxpr, params)
                         if kind is None:
                             sizes = [len(jax.tree.leaves(t)) for t in (params, opt_state)]
-                            self._warn_if_no_mean(traced.jaxpr, *sizes)
+                            self._warn_if_no_mean(traced.jaxpr, program.passed_through, *sizes)
                             # no dispatcher compares the processes: this first call does
                             _check_processes_run(lowered, params, opt_state, batch)
                         first[0] = lowered.compile()
@@ -611,11 +606,16 @@ class DataParallel:
                     for x in jax.tree.leaves((params, opt_state, batch))
                 ):
                     check(params, opt_state, batch, leaves=True)  # before any step has run
+                return trace(params, opt_state, batch).lower()
+
+            def trace(params: Any, opt_state: Any, batch: Any) -> Any:
+                """The step traced for its compile (first call or precompile), and what is read
+                from it: the params it returns as given, the leaves that train apart."""
                 keep(params, opt_state)
                 traced = mapped[0].trace(params, opt_state, batch)
-                self._warn_if_leaves_apart(traced.jaxpr, params, opt_state, warned)
                 program.passed_through = _params_passed_through(traced.jaxpr, params)
-                return traced.lower()
+                self._warn_if_leaves_apart(traced.jaxpr, params, opt_state, warned)
+                return traced
 
             program.lower = lower  # type: ignore[attr-defined]
             # the params leaves the step returns as given (a GAN's other model), which the
@@ -635,7 +635,9 @@ class DataParallel:
             "batch)",
         )
 
-    def _warn_if_no_mean(self, closed: Any, num_params: int, num_state: int) -> None:
+    def _warn_if_no_mean(
+        self, closed: Any, passed: frozenset, num_params: int, num_state: int
+    ) -> None:
         """Warns if a step without a schedule returns new params that, with the state it
         returns, depend on no collective over the data axis (or over part of a pair of axes):
         then each worker trains its own copy on its share of the batch. ``optax.adamw`` in
@@ -643,17 +645,14 @@ class DataParallel:
         the step's traced program (``closed``: ``jax.stages.Traced.jaxpr``; its first
         ``num_params`` inputs and outputs the params, the next ``num_state`` outputs the state:
         a mean kept there for the next step counts, one only in ``aux`` does not) at its first
-        compile: nothing runs or is read back. Not warned about: an evaluation step (its
-        params returned as given) and a program where a transform was given a step kind (by
-        the caller, whose local steps exchange nothing by design, or by an enclosing transform
-        deciding in the graph, which exchanges)."""
-        if self.num_workers < 2:
+        compile: nothing runs or is read back. Not warned about: an evaluation step (all its
+        params returned as given: ``passed``, :func:`_params_passed_through`'s) and a program
+        where a transform was given a step kind (by the caller, whose local steps exchange
+        nothing by design, or by an enclosing transform deciding in the graph, which
+        exchanges)."""
+        if self.num_workers < 2 or len(passed) == num_params:
             return
         body = closed.jaxpr
-        outs = body.outvars[:num_params]
-        made: dict = {}
-        if all(_passed_through(body, v, made) == i for i, v in enumerate(outs)):
-            return
         axes = frozenset(self.data_axes)
         missing = sorted(axes - _mean_axes(body, body.outvars[: num_params + num_state], axes))
         if not missing or _hinted(body):  # the whole program read only where it would warn

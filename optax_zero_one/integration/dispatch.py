@@ -215,11 +215,12 @@ def consumed(name: str, instead: str) -> RuntimeError:
     )
 
 
-def check_not_traced(tree: Any, who: str) -> None:
-    """Raises ``TypeError`` where ``tree`` holds a tracer: a dispatcher or a ``dp.jit`` step
-    called inside ``jax.jit``, ``lax.scan`` or another step, where JAX said "The is_deleted()
-    method was called on traced array" (a trial)."""
-    if isinstance(_graph.first_leaf(tree), jax.core.Tracer):  # traced, traced whole: per step
+def check_not_traced(leaf: Any, who: str) -> None:
+    """Raises ``TypeError`` where ``leaf`` (a tree's :func:`~._graph.first_leaf`: a tree is
+    traced whole) is a tracer: a dispatcher or a ``dp.jit`` step called inside ``jax.jit``,
+    ``lax.scan`` or another step, where JAX said "The is_deleted() method was called on
+    traced array" (a trial)."""
+    if isinstance(leaf, jax.core.Tracer):
         raise TypeError(
             f"{who} is called from Python with arrays, once per step: it chooses each step's "
             "program on the host and runs it, so it cannot run inside jax.jit, a lax.scan or "
@@ -541,7 +542,7 @@ class KindDispatcher:
                 f"state_index={self._state_index}, but the step got {len(args)} arguments: "
                 "pass state_index= the position of opt_state among them."
             )
-        check_not_traced(args[self._state_index], "The dispatcher")
+        check_not_traced(_graph.first_leaf(args[self._state_index]), "The dispatcher")
         self._sync_with(args[self._state_index])
         if not self._agreed:  # before any program that would wait on a process in vain
             # dp.jit's (counts in the program): the params are its first argument and result
@@ -623,7 +624,9 @@ class KindDispatcher:
             self._returned = (
                 _graph.first_leaf(out[self._params_index]) if self._after_local else None
             )
-            self._returned_tree = jax.tree.structure(out[self._params_index])
+            self._returned_tree = (  # a flatten: only where _returned is kept
+                jax.tree.structure(out[self._params_index]) if self._after_local else None
+            )
         self._pending.append(_Pending(self.step, kind, counts, checked))
         self._last_counter, self._last_refused = counter, refused
         self.step += 1
@@ -1201,12 +1204,13 @@ def check_params_agree(
     for path, leaf in _worker_leaves(params, counter):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
+        key = jax.tree_util.keystr(path)
+        if key in passed:
+            continue
         ulps = 8 * float(jnp.finfo(leaf.dtype).eps)
         # a worker's params before the sync may be far larger than the synchronised point (a
         # DiLoCo outer step lands near 0): x + (xbar - x) rounds at x's scale (a trial)
-        if jax.tree_util.keystr(path) in passed:
-            continue
-        prior = (before or {}).get(jax.tree_util.keystr(path), 0.0)
+        prior = (before or {}).get(key, 0.0)
         for found in _samples(leaf).values():
             first = found[0][1].astype(np.float64)
             scale = max(float(np.max(np.abs(first), initial=0.0)), prior, 1e-30)
