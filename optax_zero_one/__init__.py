@@ -82,7 +82,7 @@ from optax_zero_one.integration.checkpoint import (
 from optax_zero_one.integration.comm_stats import CommStats, comm_stats
 from optax_zero_one.integration.data_parallel import DataParallel, data_parallel
 from optax_zero_one.integration.deepspeed import from_deepspeed_config
-from optax_zero_one.integration.dispatch import KindDispatcher, dispatch_by_kind
+from optax_zero_one.integration.dispatch import KindDispatcher, KindMemory, dispatch_by_kind
 from optax_zero_one.integration.distributed import (
     DistributedJob,
     initialize_from_env,
@@ -114,6 +114,7 @@ __all__ = [
     "FullPrecisionWarmup",
     "initialize_from_env",
     "KindDispatcher",
+    "KindMemory",
     "local_rows",
     "local_step_schedule",
     "local_step_sync",

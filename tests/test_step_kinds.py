@@ -437,6 +437,39 @@ def test_precompile_compiles_every_kind_before_the_first_step(name):
         assert raw.compiled is not None and raw.program._cache_size() == 0
 
 
+def _nbytes(*trees):
+    return sum(x.nbytes for x in jax.tree.leaves(trees))
+
+
+def test_memory_analysis_reads_every_kind_and_the_run_calls_those_programs():
+    """memory_analysis compiles every kind as precompile does and reads XLA's buffer
+    assignment: the arguments are the bytes of params, state and gradients and the outputs
+    those of params and state (counted here from the arrays; the outputs' tuple adds a pointer
+    for each), nothing is written in place of
+    an argument that is not donated, and the peak adds the temporaries. The run then calls the
+    executables it compiled: no kind is compiled again."""
+    tx = zero_one()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    compiled = []
+    run = _dispatcher(tx, SCHEDULE, compiled)
+    memory = run.memory_analysis(params, state, grads_at(1))
+    assert sorted(memory) == sorted(compiled) == sorted(SCHEDULE.names)
+    for m in memory.values():
+        assert m.arguments == _nbytes(params, state, grads_at(1))
+        # and the output tuple's table of pointers, 8 bytes for each
+        tables = 8 * len(jax.tree.leaves((params, state)))
+        assert m.outputs == _nbytes(params, state) + tables
+        assert m.aliased == 0
+        assert m.peak == m.arguments + m.outputs + m.temporaries
+    assert run.memory_analysis(params, state, grads_at(1)) == memory  # read, not compiled
+    for k in range(1, 22):
+        params, state = run(params, state, grads_at(k))
+    assert compiled == sorted(SCHEDULE.names, key=compiled.index)  # each kind compiled once
+    with pytest.raises(ValueError, match="not kinds of this schedule"):
+        run.memory_analysis(params, state, grads_at(1), kinds=ozo.onebit_schedule(5).kinds[:1])
+
+
 def test_precompile_compiles_a_kind_whose_first_call_failed():
     """A first call that fails before its program compiles (here, gradients of the wrong shape)
     installed the program, and precompile then skipped that kind as compiled: it compiled at

@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,29 @@ from optax_zero_one.core import _checks, _graph, flat, kinds
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import checkpoint, distributed
 from optax_zero_one.integration.distributed import outside_user_mesh
+
+
+class KindMemory(NamedTuple):
+    """Bytes one device holds while a kind's program runs
+    (:meth:`KindDispatcher.memory_analysis`, from XLA's ``memory_analysis()``).
+
+    Attributes:
+      arguments: the program's inputs (params, optimizer state, batch).
+      outputs: its results.
+      aliased: the results written in place of donated inputs (counted in both above).
+      temporaries: the buffers the program allocates for its own use while it runs.
+    """
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+
+    @property
+    def peak(self) -> int:
+        """``arguments + outputs - aliased + temporaries``: what the program needs on the
+        device at once, beside any other live arrays."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
 @dataclasses.dataclass
@@ -455,11 +478,57 @@ class KindDispatcher:
         threading.Thread(target=run, name="precompile", daemon=True).start()
         return done
 
-    def _ahead_of_time(
-        self, args: tuple, kinds: Sequence[StepKind] | None
-    ) -> dict[str, Callable[..., Any]]:
-        """The programs (built, not compiled) of the kinds to precompile: ``kinds``, or those
-        still ahead of the state in ``args``, less those compiled or compiling already."""
+    def memory_analysis(
+        self, *args: Any, kinds: Sequence[StepKind] | None = None
+    ) -> dict[str, KindMemory]:
+        """What one device holds while each kind's program runs, from XLA's buffer assignment:
+        whether the run fits, known before its first step.
+
+        The kinds' programs differ in what they hold beside the arguments (0/1 Adam's sync
+        step several buffers the size of the params, its local step one; figures in
+        ``docs/jit.md``, "Memory"), and each is compiled at its kind's first step: a run that
+        fits at step 1 may not at the variance freeze, hours in. This compiles the kinds not
+        compiled yet, as :meth:`precompile` does (later steps run those executables), and
+        reads each one's ``memory_analysis()``; a kind compiled at a step already is
+        compiled once more to be read.
+
+        Args:
+          *args: as for :meth:`precompile` (the step's arguments, or ``jax.ShapeDtypeStruct``\\ s).
+          kinds: the kinds to read (default: as :meth:`precompile`'s, those still ahead).
+
+        Returns:
+          :class:`KindMemory` by kind name, in bytes per device (a program over several
+          devices, as ``dp.jit``'s or a ``pmap``'s, holds this on each of them; a ``vmap``
+          over simulated workers on one device holds all the workers' on that one).
+        """
+        wanted = self._kinds_ahead(args, kinds)
+        self.precompile(*args, kinds=wanted)
+        out = {}
+        for kind in wanted:
+            waiting = self._waiting.get(kind.name)
+            if waiting is not None:  # compiling in the background: read it when it is done
+                waiting.result()
+            raw = self._raw.get(kind.name)
+            compiled = raw.compiled if isinstance(raw, _Precompiled) else None
+            if compiled is None:  # compiled at a step (or dropped as stale): compile it again
+                compiled = self._compile(kind).lower(*args).compile()
+            stats = compiled.memory_analysis()
+            if stats is None:
+                raise ValueError(
+                    f"XLA gives no memory analysis for the {kind.name!r} program on "
+                    f"{jax.default_backend()!r}: this backend does not report it."
+                )
+            out[kind.name] = KindMemory(
+                arguments=int(stats.argument_size_in_bytes),
+                outputs=int(stats.output_size_in_bytes),
+                aliased=int(stats.alias_size_in_bytes),
+                temporaries=int(stats.temp_size_in_bytes),
+            )
+        return out
+
+    def _kinds_ahead(self, args: tuple, kinds: Sequence[StepKind] | None) -> list[StepKind]:
+        """``kinds`` (checked against the schedule), or the kinds still ahead of the state in
+        ``args`` (every kind from step 1 where ``args`` are shapes only)."""
         state = args[self._state_index]
         counter, _ = self._probe(state)
         abstract = isinstance(counter, jax.ShapeDtypeStruct)
@@ -475,8 +544,15 @@ class KindDispatcher:
                 f"precompile(kinds=...) got {unknown}, not kinds of this schedule "
                 f"({list(self.schedule.names)})."
             )
+        return list(dict.fromkeys(kinds))
+
+    def _ahead_of_time(
+        self, args: tuple, kinds: Sequence[StepKind] | None
+    ) -> dict[str, Callable[..., Any]]:
+        """The programs (built, not compiled) of the kinds to precompile: ``kinds``, or those
+        still ahead of the state in ``args``, less those compiled or compiling already."""
         programs = {}
-        for kind in dict.fromkeys(kinds):
+        for kind in self._kinds_ahead(args, kinds):
             # compiled: by precompile, or at a step that ran (a first call that failed, e.g. on
             # a refused restore, installed a program it never compiled)
             done = kind.name in self._ran or isinstance(self._raw.get(kind.name), _Precompiled)
