@@ -804,6 +804,8 @@ def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) 
                 per[name].append(t)
     runs["dispatched"][0].settle()
     pipelined = _pipelined_ms(runs, zero_one, fresh, grads, steps)
+    states = {ADAM: fresh(adam), ZERO_ONE: fresh(zero_one.tx)}
+    memory = _data_parallel_memory(dp, step_of, runs, states, grads, model_trees.numel(tree))
     out = {}
     for kind, per in times.items():
         row = {f"{name}_ms": 1e3 * statistics.median(ts) for name, ts in per.items()}
@@ -819,9 +821,41 @@ def measure_data_parallel_here(steps: int, width: int = 1024, devices: int = 2) 
         "devices": f"{devices} x {jax.devices()[0].device_kind} ({jax.default_backend()})",
         "kinds": out,
         "pipelined": pipelined,
+        "memory": memory,
         "plain_jit_adam_ms": _plain_jit_adam_ms(host, steps),
         "host_time": measure_host_time(devices),
     }
+
+
+def _data_parallel_memory(
+    dp: Any, step_of: Callable[..., Any], runs: dict, states: dict, grads: Any, per_param: int
+) -> dict:
+    """Bytes per parameter one device holds while each program runs (XLA's buffer assignment,
+    :class:`ozo.KindMemory`; compile only, so exact for this XLA, not a timing): optax.adam with
+    and without pmean, 0/1 Adam's kinds (dispatched) and its in-graph update, 1-bit Adam's
+    kinds. ``states``: fresh ``[params, state]`` of optax.adam and of 0/1 Adam."""
+    params, adam_state = states[ADAM]
+    zero_one_state = states[ZERO_ONE][1]
+
+    def of(stats: ozo.KindMemory) -> dict:
+        fields = {f: getattr(stats, f) / per_param for f in ozo.KindMemory._fields}
+        return {**fields, "peak": stats.peak / per_param}
+
+    def compiled(fn: Any, state: Any) -> dict:
+        m = fn.lower(params, state, grads).compile().memory_analysis()
+        sizes = (m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes)
+        return of(ozo.KindMemory(*sizes, m.temp_size_in_bytes))
+
+    out = {name: compiled(runs[name][0], adam_state) for name in (ADAM, ADAM_PMEAN)}
+    for kind, m in runs["dispatched"][0].memory_analysis(params, zero_one_state, grads).items():
+        out[f"{ZERO_ONE} {kind}"] = of(m)
+    out[f"{ZERO_ONE} in-graph"] = compiled(runs["in-graph"][0], zero_one_state)
+    onebit_tx = ozo.onebit_adam(1e-3, freeze_step=ONEBIT_FREEZE, axis_name="data")
+    onebit = dp.jit(step_of(onebit_tx, False), schedule=ozo.onebit_schedule(ONEBIT_FREEZE))
+    onebit_state = dp.init(onebit_tx, params)
+    for kind, m in onebit.memory_analysis(params, onebit_state, grads).items():
+        out[f"{ONEBIT} {kind}"] = of(m)
+    return out
 
 
 def _pipelined_ms(
@@ -1018,6 +1052,24 @@ def data_parallel_table(res: dict) -> list[str]:
                 else ""
             ),
         ]
+    memory = res.get("memory")
+    if memory:
+        adam_peak = memory[ADAM]["peak"]
+        out += [
+            "",
+            "Memory one device holds while each program runs, bytes per parameter (XLA's buffer "
+            "assignment, `compiled.memory_analysis()`, read for 0/1 and 1-bit Adam's kinds "
+            "through `memory_analysis` of dp.jit's dispatcher; compile only: exact for this "
+            "XLA, not a timing). Peak = arguments + outputs - in place + temporaries.",
+            "",
+            "| program | arguments | outputs | in place | temporaries | peak | x adam |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, m in memory.items():
+            out.append(
+                f"| {name} | {m['arguments']:.2f} | {m['outputs']:.2f} | {m['aliased']:.2f} | "
+                f"{m['temporaries']:.2f} | {m['peak']:.2f} | {m['peak'] / adam_peak:.2f} |"
+            )
     for r in res.get("host_time", []):
         out += [
             "",

@@ -1000,6 +1000,13 @@ def test_two_d_precompiled_programs_keep_every_sharding():
     xs = batches(STEPS)
     before = [x.sharding for x in jax.tree.leaves((p, s))]
     train.precompile(p, s, xs[0])
+    # memory_analysis reads the precompiled programs (nothing compiled again), per device: the
+    # arguments are the bytes of one device's shards of params, state and batch
+    memory = train.memory_analysis(p, s, xs[0])
+    assert sorted(memory) == sorted(SCHEDULE.names)
+    on_one = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((p, s)))
+    on_one += sum(x.nbytes for x in jax.tree.leaves(xs[0])) // dp.num_workers  # its rows
+    assert {m.arguments for m in memory.values()} == {on_one}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback warns
         for x in xs:
