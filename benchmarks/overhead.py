@@ -47,7 +47,9 @@ whole update ``params, state <- apply_updates(params, update(grads, state, param
    with 2 simulated devices, ``shard_map``, in-process collectives), 4,196,352 parameters per
    worker in 6 leaves (four 1024 x 1024, two 1024), gradients given: per kind, 0/1 Adam
    dispatched and in-graph against ``optax.adam`` and ``optax.adam`` + pmean through the same
-   helper, each kept running over ``--dp-steps`` consecutive steps.
+   helper, each kept running over ``--dp-steps`` consecutive steps; and what one device holds
+   while each program runs (arguments, temporaries, peak: XLA's buffer assignment read after
+   compiling, through the dispatchers' ``memory_analysis``), 1-bit Adam's kinds too.
 
 On a GPU: ``JAX_PLATFORMS=cuda python -m benchmarks.overhead --dp-here --dp-devices 1`` runs all
 five there (the vmapped workers share the one GPU; ``--dp-here`` runs ``dp.jit`` on the process's
