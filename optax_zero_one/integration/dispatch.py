@@ -541,8 +541,8 @@ class KindDispatcher:
         unknown = [k for k in kinds if k not in self.schedule.kinds]
         if unknown:
             raise ValueError(
-                f"precompile(kinds=...) got {unknown}, not kinds of this schedule "
-                f"({list(self.schedule.names)})."
+                f"kinds= got {unknown}, not kinds of this schedule "
+                f"({list(self.schedule.names)}): pass kinds from schedule.kinds."
             )
         return list(dict.fromkeys(kinds))
 
