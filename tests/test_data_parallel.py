@@ -1007,6 +1007,14 @@ def test_two_d_precompiled_programs_keep_every_sharding():
     on_one = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((p, s)))
     on_one += sum(x.nbytes for x in jax.tree.leaves(xs[0])) // dp.num_workers  # its rows
     assert {m.arguments for m in memory.values()} == {on_one}
+    # another batch size ("which batch fits?"): compiled for it to be read, not the
+    # precompiled programs' figures again (a trial got the first batch's), the run's kept
+    twice = np.concatenate([xs[0], xs[0]])
+    larger = train.memory_analysis(p, s, twice, kinds=SCHEDULE.kinds[:1])
+    assert larger[SCHEDULE.names[0]].arguments == on_one + xs[0].nbytes // dp.num_workers
+    assert train.memory_analysis(p, s, xs[0], kinds=SCHEDULE.kinds[0]) == {  # one kind, bare
+        SCHEDULE.names[0]: memory[SCHEDULE.names[0]]
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback warns
         for x in xs:

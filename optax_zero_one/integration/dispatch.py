@@ -129,8 +129,9 @@ class _Precompiled:
     leaves). It is dropped only after :data:`STALE_AFTER` such calls in a row: the run's
     arguments have changed for good, and each refusal costs an exception."""
 
-    def __init__(self, compiled: Any, program: Callable[..., Any], name: str):
+    def __init__(self, compiled: Any, program: Callable[..., Any], name: str, signature: tuple):
         self.compiled, self.program, self.name = compiled, program, name
+        self.signature = signature  # what it was compiled for (memory_analysis compares)
         self.misses = 0  # calls in a row that it did not take
         self.warned = False
 
@@ -217,6 +218,18 @@ def _shape_of(x: Any) -> Any:
         sharding = None if single else x.sharding
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _signature(args: Any) -> tuple:
+    """What a program is compiled for: the arguments' tree and each leaf's shape, dtype and
+    sharding (where it has one)."""
+    leaves, tree = jax.tree.flatten(jax.tree.map(_shape_of, args))
+    return tree, tuple(
+        (np.shape(x), np.dtype(x.dtype), getattr(x, "sharding", None))
+        if hasattr(x, "dtype")
+        else (type(x), x)
+        for x in leaves
+    )
 
 
 def _mismatch(err: Exception) -> str:
@@ -489,12 +502,16 @@ class KindDispatcher:
         ``docs/jit.md``, "Memory"), and each is compiled at its kind's first step: a run that
         fits at step 1 may not at the variance freeze, hours in. This compiles the kinds not
         compiled yet, as :meth:`precompile` does (later steps run those executables), and
-        reads each one's ``memory_analysis()``; a kind compiled at a step already is
-        compiled once more to be read.
+        reads each one's ``memory_analysis()``; a kind compiled at a step already, or
+        precompiled for other arguments (another batch size: "which batch fits?"), is compiled
+        once more for these to be read, and the run keeps the program it had. A state other
+        than the one the run holds (a fresh ``init``) makes the dispatcher read its step
+        counter, as a call with it would: pass the live state, or shapes.
 
         Args:
           *args: as for :meth:`precompile` (the step's arguments, or ``jax.ShapeDtypeStruct``\\ s).
-          kinds: the kinds to read (default: as :meth:`precompile`'s, those still ahead).
+          kinds: the kinds to read, or one kind (default: as :meth:`precompile`'s, those
+            still ahead).
 
         Returns:
           :class:`KindMemory` by kind name, in bytes per device (a program over several
@@ -510,7 +527,9 @@ class KindDispatcher:
                 waiting.result()
             raw = self._raw.get(kind.name)
             compiled = raw.compiled if isinstance(raw, _Precompiled) else None
-            if compiled is None:  # compiled at a step (or dropped as stale): compile it again
+            if compiled is not None and raw.signature != _signature(args):
+                compiled = None  # precompiled for other arguments (another batch size)
+            if compiled is None:  # compiled at a step, or for others: compiled for these
                 compiled = self._compile(kind).lower(*args).compile()
             stats = compiled.memory_analysis()
             if stats is None:
@@ -529,6 +548,8 @@ class KindDispatcher:
     def _kinds_ahead(self, args: tuple, kinds: Sequence[StepKind] | None) -> list[StepKind]:
         """``kinds`` (checked against the schedule), or the kinds still ahead of the state in
         ``args`` (every kind from step 1 where ``args`` are shapes only)."""
+        if isinstance(kinds, StepKind):
+            kinds = [kinds]
         state = args[self._state_index]
         counter, _ = self._probe(state)
         abstract = isinstance(counter, jax.ShapeDtypeStruct)
@@ -561,7 +582,8 @@ class KindDispatcher:
             program = programs[kind.name] = self._compile(kind)
             if getattr(program, "lower", None) is None:
                 raise ValueError(
-                    f"precompile needs programs with .lower (jax.jit or jax.pmap); "
+                    f"precompile and memory_analysis need programs with .lower (jax.jit or "
+                    f"jax.pmap); "
                     f"compile_kind({kind.name!r}) returned {program!r}. Jit it, or let "
                     "each kind compile at its first step."
                 )
@@ -578,12 +600,13 @@ class KindDispatcher:
         and installs each as soon as it is compiled (then sets its ``waiting`` future)."""
         seconds: dict[str, float] = {}
         workers = max_workers or max(1, min(len(programs), os.cpu_count() or 1))
+        signature = _signature(args)
 
         def compile_one(name: str, lowered: Any, started: float) -> None:
             compiled = lowered.compile()
             seconds[name] = time.perf_counter() - started
             with self._lock:
-                self._install(name, _Precompiled(compiled, programs[name], name))
+                self._install(name, _Precompiled(compiled, programs[name], name, signature))
                 if waiting is not None:
                     self._waiting.pop(name, None)
                     waiting[name].set_result(None)
