@@ -595,7 +595,7 @@ def test_precompiled_programs_fall_back_to_jit_for_other_arguments():
     unjitted = ozo.dispatch_by_kind(
         lambda kind: jax.vmap(functools.partial(step, kind=kind), axis_name=AXIS), schedule
     )
-    with pytest.raises(ValueError, match="needs programs with .lower"):
+    with pytest.raises(ValueError, match="need programs with .lower"):
         unjitted.precompile(params, state, x)
     with pytest.raises(ValueError, match="not kinds of this schedule"):
         lazy.precompile(params, state, x, kinds=[ozo.onebit_schedule(2).kinds[0]])
