@@ -384,17 +384,24 @@ class DataParallel:
             is_array = [isinstance(x, jax.Array | np.ndarray | np.generic) for x in found]
 
             def local(u: Any, s: Any, arrays: list, *p: Any) -> Any:
-                inner = jax.tree.map(lambda x: x[0], s)
                 p = [jax.tree.unflatten(p_def, p[0])] if p else []
                 given = iter(arrays)
                 extra_in = [next(given) if a else x for x, a in zip(found, is_array, strict=True)]
-                u, inner = tx.update(
-                    jax.tree.unflatten(treedef, u),
-                    inner,
-                    *p,
-                    **jax.tree.unflatten(extra_def, extra_in),
-                )
-                return jax.tree.leaves(u), _stack(inner)
+                kwargs = jax.tree.unflatten(extra_def, extra_in)
+
+                def one(inner: Any) -> tuple[list, Any]:
+                    out, inner = tx.update(jax.tree.unflatten(treedef, u), inner, *p, **kwargs)
+                    return jax.tree.leaves(out), inner
+
+                if kwargs.get("step_kind") is None:  # deciding in the graph: the row itself
+                    out, inner = one(jax.tree.map(lambda x: x[0], s))
+                    return out, _stack(inner)
+                # One kind: under vmap over the shard's one-row stack of state, as dp.jit runs
+                # the workers; taken apart and stacked again, state buffers were copied each
+                # step (XLA:CPU, a local step on a (4, 1) mesh: 15 bytes per parameter of
+                # temporaries, 12 under vmap, 4 on a (4,) mesh; docs/jit.md, "Memory").
+                out, inner = jax.vmap(one)(s)
+                return [o[0] for o in out], inner
 
             arrays = [x for x, a in zip(found, is_array, strict=True) if a]
             args, in_specs = (values, state.inner, arrays), (specs, stack, P())
