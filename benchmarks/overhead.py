@@ -844,9 +844,7 @@ def _data_parallel_memory(
         return {**fields, "peak": stats.peak / per_param}
 
     def compiled(fn: Any, state: Any) -> dict:
-        m = fn.lower(params, state, grads).compile().memory_analysis()
-        sizes = (m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes)
-        return of(ozo.KindMemory(*sizes, m.temp_size_in_bytes))
+        return of(ozo.KindMemory.of(fn.lower(params, state, grads).compile()))
 
     out = {name: compiled(runs[name][0], adam_state) for name in (ADAM, ADAM_PMEAN)}
     for kind, m in runs["dispatched"][0].memory_analysis(params, zero_one_state, grads).items():

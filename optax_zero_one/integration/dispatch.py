@@ -66,6 +66,23 @@ class KindMemory(NamedTuple):
         device at once, beside any other live arrays."""
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
+    @classmethod
+    def of(cls, compiled: Any, name: str = "the") -> KindMemory:
+        """Read from a compiled program (``jax.jit(f).lower(...).compile()``); ``name`` the
+        program's, for the error where the backend reports nothing."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise ValueError(
+                f"XLA gives no memory analysis for {name} program on "
+                f"{jax.default_backend()!r}: this backend does not report it."
+            )
+        return cls(
+            arguments=int(stats.argument_size_in_bytes),
+            outputs=int(stats.output_size_in_bytes),
+            aliased=int(stats.alias_size_in_bytes),
+            temporaries=int(stats.temp_size_in_bytes),
+        )
+
 
 @dataclasses.dataclass
 class _Pending:
@@ -520,6 +537,7 @@ class KindDispatcher:
         """
         wanted = self._kinds_ahead(args, kinds)
         self.precompile(*args, kinds=wanted)
+        signature = _signature(args)
         out = {}
         for kind in wanted:
             waiting = self._waiting.get(kind.name)
@@ -527,22 +545,11 @@ class KindDispatcher:
                 waiting.result()
             raw = self._raw.get(kind.name)
             compiled = raw.compiled if isinstance(raw, _Precompiled) else None
-            if compiled is not None and raw.signature != _signature(args):
+            if compiled is not None and raw.signature != signature:
                 compiled = None  # precompiled for other arguments (another batch size)
             if compiled is None:  # compiled at a step, or for others: compiled for these
                 compiled = self._compile(kind).lower(*args).compile()
-            stats = compiled.memory_analysis()
-            if stats is None:
-                raise ValueError(
-                    f"XLA gives no memory analysis for the {kind.name!r} program on "
-                    f"{jax.default_backend()!r}: this backend does not report it."
-                )
-            out[kind.name] = KindMemory(
-                arguments=int(stats.argument_size_in_bytes),
-                outputs=int(stats.output_size_in_bytes),
-                aliased=int(stats.alias_size_in_bytes),
-                temporaries=int(stats.temp_size_in_bytes),
-            )
+            out[kind.name] = KindMemory.of(compiled, f"the {kind.name!r}")
         return out
 
     def _kinds_ahead(self, args: tuple, kinds: Sequence[StepKind] | None) -> list[StepKind]:
