@@ -761,6 +761,84 @@ def test_dispatch_moves_back_after_a_step_every_worker_skipped():
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
 
 
+RUNS = 2  # independent runs batched under an outer vmap (workers first: (N, RUNS, ...))
+
+
+def _batched(tree):
+    """``tree`` (worker layout) for RUNS runs, run r's entries scaled by 1 + r."""
+    return jax.tree.map(lambda x: jnp.stack([x * (1 + r) for r in range(RUNS)], 1), tree)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_batch_of_runs_that_parted_is_an_error_not_a_silent_stall(name):
+    """Runs batched by an outer vmap share one hint per step: when one run skips a step (a NaN
+    in its gradient) it counts other steps from then on and refuses every hint. The host's
+    readers compare every entry, not the first: step_count, check_hints and a dispatcher
+    raise, naming the cause (before: every check passed and the run stood still)."""
+    make, schedule = CASES[name]
+    tx = make()
+    batched = lambda f: jax.jit(jax.vmap(jax.vmap(f), axis_name=AXIS))  # noqa: E731
+    params = _batched(params0())
+    state = jax.vmap(jax.vmap(tx.init), axis_name=AXIS)(params)
+
+    def grads(i, bad):
+        g = _batched(grads_at(i))
+        return {**g, "w": g["w"].at[:, 1, 0, 0].set(jnp.nan)} if bad else g
+
+    programs = {}
+    p, s = params, state
+    for i in range(1, 13):
+        kind = schedule.kind(i)
+        if kind.name not in programs:
+            programs[kind.name] = batched(lambda p, s, g, k=kind: _step(tx, p, s, g, k))
+        p, s = programs[kind.name](p, s, grads(i, bad=i == 3))
+    counts = _graph.readable_values(_graph.step_counter(s))
+    low = int(counts.min())
+    assert counts.max() == 12 and low < 11  # run 1 skipped step 3, then refused kinds
+    with pytest.raises(ValueError, match=f"counters differ between its entries.*{low}, 12"):
+        ozo.step_count(s)
+    with pytest.raises(ValueError, match="refused"):
+        ozo.check_hints(s)
+    assert ozo.step_count(jax.tree.map(lambda x: x[:, 0], s)) == 12  # run 0 alone: fine
+
+    run = ozo.dispatch_by_kind(
+        lambda kind: batched(lambda p, s, g: _step(tx, p, s, g, kind)), schedule
+    )
+    p, s = params, state
+    with pytest.raises(ValueError, match="counters differ between its entries"):
+        for i in range(1, 31):
+            p, s = run(p, s, grads(i, bad=i == 3))
+        run.settle()
+    assert i <= 3 + run.check_every + 2  # learnt with the counts, as a skip is
+
+
+def test_host_readers_under_a_transformation_say_so():
+    """ozo.step_kind inside jax.jit, and a dispatcher inside jax.grad (a hypergradient trial:
+    the learning rate traced, the state not), raised JAX's errors about addressable_shards and
+    get_mesh; they now say that they run on the host and what to do inside a traced step."""
+    tx = zero_one()
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    with pytest.raises(TypeError, match="cannot run under a JAX transformation.*schedule.kind"):
+        jax.jit(lambda s: ozo.step_kind(s, SCHEDULE).variance)(state)
+
+    def loss_after_a_step(lr):
+        inner = ozo.scale_by_zero_one_adam(
+            lr, variance_policy=VARIANCE, local_step_policy=LOCAL, axis_name=AXIS
+        )
+        run = ozo.dispatch_by_kind(
+            lambda kind: jax.jit(
+                jax.vmap(lambda p, s, g: _step(inner, p, s, g, kind), axis_name=AXIS)
+            ),
+            SCHEDULE,
+        )
+        p, _ = run(params, state, grads_at(1))
+        return sum(jnp.sum(x) for x in jax.tree.leaves(p))
+
+    with pytest.raises(TypeError, match="cannot run under a JAX transformation.*schedule.kind"):
+        jax.grad(loss_after_a_step)(1e-2)
+
+
 @pytest.mark.parametrize(
     "other",
     [

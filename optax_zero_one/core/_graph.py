@@ -119,6 +119,48 @@ def first_value(x: Any) -> Any:
     return first_values(x, 1)[0]
 
 
+def readable_values(x: Any) -> np.ndarray:
+    """Every entry of an array that this process holds (all its addressable shards, flattened;
+    a counter or a record is a few bytes per worker), without communication."""
+    shards = getattr(x, "addressable_shards", None)
+    if shards:
+        return np.concatenate([np.asarray(s.data).reshape(-1) for s in shards])
+    return np.asarray(x).reshape(-1)
+
+
+BATCHED_RUNS = (
+    "An optimizer state's counters are equal on every worker of one run; entries that differ "
+    "are independent runs batched in one state (an outer jax.vmap over seeds or learning "
+    "rates), one of which skipped a step the others took (a non-finite gradient) and now "
+    "counts other steps. A hinted kind is one for the whole batch, and that run refuses every "
+    "hint after (its steps not applied). Run the batch without step_kind (each run decides its "
+    "own kind in the graph), or make the runs skip together (grads made NaN in every run "
+    "where one run's are not finite), or give each run a loop of its own (docs/usage.md, "
+    "'Batching independent runs')."
+)
+
+
+def check_counters_agree(counter: Any, what: str) -> int:
+    """The count every readable entry of ``counter`` holds; ``ValueError`` (naming ``what``) if
+    the entries differ (:data:`BATCHED_RUNS`)."""
+    if isinstance(counter, jax.core.Tracer):
+        raise TypeError(
+            f"{what} reads the step counter on the host (a device read), so it cannot run "
+            "under a JAX transformation (jax.jit, jax.grad, lax.scan: the counter is traced "
+            "there). Read it before the traced step and pass the kind in: step_kind="
+            "ozo.step_kind(opt_state, schedule) outside, or schedule.kind(k) for update k."
+        )
+    values = readable_values(counter)
+    if values.size and values.min() != values.max():
+        seen = sorted({int(v) for v in values})
+        shown = ", ".join(str(v) for v in seen[:6]) + (", ..." if len(seen) > 6 else "")
+        raise ValueError(
+            f"{what}: the state's step counters differ between its entries (shape "
+            f"{tuple(np.shape(counter))}, values {shown}). " + BATCHED_RUNS
+        )
+    return int(values[0])
+
+
 def nodes_of(tree: Any, cls: type) -> list:
     """The nodes of ``tree`` that are instances of ``cls`` (e.g. a transform's state in a chain)."""
     nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, cls))

@@ -366,8 +366,10 @@ def onebit_step_kinds(freeze_step: int, num_steps: int) -> np.ndarray:
 def step_count(state: Any) -> int:
     """The number of updates an optimizer state has taken, read on the host (one device read).
 
-    Found through the state classes' ``STEP_COUNTER`` hook; in the worker layout, worker 0's
-    (the counters are equal on every worker). ``ValueError`` for a state without a counter.
+    Found through the state classes' ``STEP_COUNTER`` hook; in the worker layout the counters
+    are equal on every worker (checked over the entries this process holds: ``ValueError``
+    where they differ, a batch of independent runs of which one skipped a step). ``ValueError``
+    for a state without a counter.
     """
     counter = _graph.step_counter(state)
     if counter is None:
@@ -376,7 +378,7 @@ def step_count(state: Any) -> int:
             "This state holds no step counter of optax_zero_one's transforms (a state made by "
             "zero_one_adam, onebit_adam or one of their blocks is needed)."
         )
-    return int(_graph.first_value(counter))
+    return _graph.check_counters_agree(counter, "step_count")
 
 
 def check_hints(state: Any) -> None:
@@ -392,7 +394,9 @@ def check_hints(state: Any) -> None:
     _graph.check_holds_own_state(state, "check_hints")
     problems = []
     for cls, record in _graph.refusals(state):
-        refused, expected = (int(v) for v in _graph.first_values(record, 2))
+        # every entry this process holds (a batch of runs may refuse in one of them only)
+        rows = _graph.readable_values(record).reshape(-1, 2)
+        refused, expected = (int(v) for v in rows[int(np.argmax(rows[:, 0]))])
         if refused:
             problems.append(
                 f"{cls.__name__} refused {refused} (its counters asked for "

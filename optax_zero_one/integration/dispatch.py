@@ -95,16 +95,25 @@ class _Pending:
 
 def _counts(leaves: list, per_worker: bool = False) -> jax.Array:
     """The counter and the refused-hint counts, one small int32 array (a copy: the state
-    itself is donated to the next step): ``[count, refused, hint, ...]`` of one worker; with
-    ``per_worker``, that along a new last axis of the counter's shape (the worker layout: each
-    device computes its own workers' counts, as the counter is sharded; no communication)."""
+    itself is donated to the next step): ``[count, refused, hint, ..., spread]`` of one worker;
+    with ``per_worker``, that along a new last axis of the counter's shape (the worker layout:
+    each device computes its own workers' counts, as the counter is sharded; no communication).
+    Without it, the refusals are the entry's that refused most and ``spread`` is how far the
+    counters of the entries given differ (0 for one run: a batch of runs that parted is an
+    error, :data:`~optax_zero_one.core._graph.BATCHED_RUNS`); with it, 0."""
     counter, *refused = leaves
     if per_worker:
         lead = tuple(jnp.shape(counter))
         parts = [jnp.reshape(counter, (*lead, 1))]
         parts += [jnp.reshape(r, (*lead, -1))[..., :2] for r in refused]
+        parts.append(jnp.zeros((*lead, 1), jnp.int32))
     else:
-        parts = [jnp.reshape(counter, -1)[:1]] + [jnp.reshape(r, -1)[:2] for r in refused]
+        flat = jnp.reshape(counter, -1)
+        parts = [flat[:1]]
+        for r in refused:
+            rows = jnp.reshape(r, (-1, 2))
+            parts.append(rows[jnp.argmax(rows[:, 0])])
+        parts.append(jnp.reshape(jnp.max(flat) - jnp.min(flat), (1,)))
     return jnp.concatenate([x.astype(jnp.int32) for x in parts], axis=-1)
 
 
@@ -215,6 +224,18 @@ def _check_one_count(state: Any) -> None:
         "dispatch_by_kind, its state argument holding that optimizer's state only), or update "
         "them together from their first step so that their counts stay equal. " + _SKIP_TOGETHER
     )
+
+
+def _check_one_run(counts: np.ndarray, counter: Any) -> None:
+    """Raises ``ValueError`` where :func:`_counts` found counters that differ between the state's
+    entries (``counter``, if given, read again for the error's values)."""
+    if counts[-1]:
+        if counter is not None:
+            _graph.check_counters_agree(counter, "The step dispatched by kind")
+        raise ValueError(
+            f"The step dispatched by kind: the state's step counters differ between its "
+            f"entries (by up to {int(counts[-1])} steps). " + _graph.BATCHED_RUNS
+        )
 
 
 _SKIP_TOGETHER = (
@@ -747,7 +768,7 @@ class KindDispatcher:
         # this process's workers only: the other processes may have found nothing to explain
         check_workers_agree(state, counter, self.step, True, across_processes=False)
         counts = np.asarray(_host_counts(counter, refused))
-        if np.any(counts[1::2] > 0):
+        if np.any(counts[1:-1:2] > 0):
             raise ValueError(
                 f"The optimizer state refused the {kind.name!r} program of step {self.step} (and "
                 "the workers' params are apart after it, as a sync that did not run leaves "
@@ -872,6 +893,7 @@ class KindDispatcher:
             _check_one_count(state)
             _graph.check_no_per_worker_skip(state, "The step dispatched by kind")
             confirmed = np.asarray(_host_counts(counter, refused))
+            _check_one_run(confirmed, counter)
             # a first call, or a restore: also one at the step this run is at (another run's
             # checkpoint of the same cadence was taken on trust, a trial), or a copy. Checked
             # before the dispatcher takes it: refused, the run goes on with its own state
@@ -888,6 +910,10 @@ class KindDispatcher:
     def _settle(self, window: list[_Pending]) -> None:
         """Checks the steps of ``window`` against the counts after its last one."""
         now = np.asarray(window[-1].counts).reshape(-1)
+        # a program's own counts come per worker of this process's first device: rows to compare
+        rows = now.reshape(-1, 2 + 2 * len(self._types)) if self._counted else now[None]
+        _check_one_run(np.append(now, max(int(np.ptp(rows[:, 0])), int(rows[:, -1].max()))), None)
+        now = rows[0]
         before, self._confirmed = self._confirmed, now
         taken = int(now[0] - before[0])
         # A refused step raises each refusing state's count by one: at least the largest rise
@@ -1103,7 +1129,9 @@ def _raise_apart(name: str, where: str, at: str, hint: str = "") -> None:
         "transform that does not average up to start_step (docs/diloco.md shows one that "
         "does); or a wrapper acts on one worker alone: optax.apply_if_finite around the "
         "optimizer (it handles non-finite values itself), or a transform after it that "
-        "changes its updates (docs/usage.md, 'What does not compose')."
+        "changes its updates (docs/usage.md, 'What does not compose'); or the leading axis "
+        "is not the workers: runs batched by an outer jax.vmap go inside the worker axis, "
+        "(workers, runs, ...) (docs/usage.md, 'Batching independent runs')."
     )
 
 
