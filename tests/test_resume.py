@@ -208,6 +208,12 @@ def test_worker_count_and_reset_errors():
     ozo.check_worker_count(sharded, (2, 4))
     with pytest.raises(ValueError, match="in 2 nodes of 4"):
         ozo.check_worker_count(sharded, (4, 2))
+    # 3 runs of 4 workers batched runs first, (3, 4, ...): the runs were read as 3 workers "in
+    # 4 nodes of 0" (a batching trial); the buffers' 4 rows do not divide 3
+    runs = jax.tree.map(lambda x: jnp.stack([x] * 3), state)
+    for count in (3, 4):
+        with pytest.raises(ValueError, match="leading axis is not the workers.*Batching"):
+            ozo.check_worker_count(runs, count)
 
 
 @pytest.mark.parametrize("workers", [1, 4])

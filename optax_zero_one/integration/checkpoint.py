@@ -139,8 +139,16 @@ def check_worker_count(tree: Any, num_workers: int | tuple[int, int]) -> None:
     saved = worker_count(tree)
     total = num_workers[0] * num_workers[1] if pair else num_workers
     workers_ = lambda n: f"{n} worker" + ("s" if n != 1 else "")  # noqa: E731
+    nodes = _saved_nodes(tree)
+    if nodes is not None and saved % nodes:
+        raise ValueError(
+            f"The tree's leading axis has {saved} entries, but its error-feedback buffers are "
+            f"sized for {nodes} workers (or nodes), which do not divide them: the leading axis "
+            "is not the workers. Runs batched by an outer jax.vmap go inside the worker axis, "
+            "(workers, runs, ...) (docs/usage.md, 'Batching independent runs'); or check each "
+            "run's state on its own."
+        )
     if saved == total:
-        nodes = _saved_nodes(tree)
         want = num_workers[0] if pair else total  # a flat run: as many compressing nodes
         if nodes is not None and nodes != want:
             raise ValueError(
