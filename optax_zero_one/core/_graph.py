@@ -128,6 +128,17 @@ def readable_values(x: Any) -> np.ndarray:
     return np.asarray(x).reshape(-1)
 
 
+# What a host-side reader says when it is called under a transformation (its arrays traced).
+TRACED = (
+    "optax_zero_one's host-side helpers (a dispatch_by_kind dispatcher, dp.jit's steps, "
+    "ozo.step_kind and ozo.step_count, the workers' checks) read arrays on the host between "
+    "steps: they cannot run under a JAX transformation (jax.jit, jax.grad, jax.vmap, "
+    "lax.scan). Inside one, call the optimizer's update with step_kind= the kind read on the "
+    "host (schedule.kind(k) for update k, numbered from 1; ozo.step_kind(opt_state, schedule) "
+    "before the traced step), or without a hint to decide in the graph."
+)
+
+
 BATCHED_RUNS = (
     "An optimizer state's counters are equal on every worker of one run; entries that differ "
     "are independent runs batched in one state (an outer jax.vmap over seeds or learning "
@@ -144,12 +155,7 @@ def check_counters_agree(counter: Any, what: str) -> int:
     """The count every readable entry of ``counter`` holds; ``ValueError`` (naming ``what``) if
     the entries differ (:data:`BATCHED_RUNS`)."""
     if isinstance(counter, jax.core.Tracer):
-        raise TypeError(
-            f"{what} reads the step counter on the host (a device read), so it cannot run "
-            "under a JAX transformation (jax.jit, jax.grad, lax.scan: the counter is traced "
-            "there). Read it before the traced step and pass the kind in: step_kind="
-            "ozo.step_kind(opt_state, schedule) outside, or schedule.kind(k) for update k."
-        )
+        raise TypeError(f"{what}: " + TRACED)
     values = readable_values(counter)
     if values.size and values.min() != values.max():
         seen = sorted({int(v) for v in values})

@@ -226,15 +226,16 @@ def _check_one_count(state: Any) -> None:
     )
 
 
-def _check_one_run(counts: np.ndarray, counter: Any) -> None:
-    """Raises ``ValueError`` where :func:`_counts` found counters that differ between the state's
-    entries (``counter``, if given, read again for the error's values)."""
-    if counts[-1]:
+def _check_one_run(spread: int, counter: Any) -> None:
+    """Raises ``ValueError`` where the state's counters differ between its entries by
+    ``spread`` (:func:`_counts`'s last entry; ``counter``, if given, read again for the error's
+    values)."""
+    if spread:
         if counter is not None:
             _graph.check_counters_agree(counter, "The step dispatched by kind")
         raise ValueError(
             f"The step dispatched by kind: the state's step counters differ between its "
-            f"entries (by up to {int(counts[-1])} steps). " + _graph.BATCHED_RUNS
+            f"entries (by up to {spread} steps). " + _graph.BATCHED_RUNS
         )
 
 
@@ -893,7 +894,7 @@ class KindDispatcher:
             _check_one_count(state)
             _graph.check_no_per_worker_skip(state, "The step dispatched by kind")
             confirmed = np.asarray(_host_counts(counter, refused))
-            _check_one_run(confirmed, counter)
+            _check_one_run(int(confirmed[-1]), counter)
             # a first call, or a restore: also one at the step this run is at (another run's
             # checkpoint of the same cadence was taken on trust, a trial), or a copy. Checked
             # before the dispatcher takes it: refused, the run goes on with its own state
@@ -912,7 +913,7 @@ class KindDispatcher:
         now = np.asarray(window[-1].counts).reshape(-1)
         # a program's own counts come per worker of this process's first device: rows to compare
         rows = now.reshape(-1, 2 + 2 * len(self._types)) if self._counted else now[None]
-        _check_one_run(np.append(now, max(int(np.ptp(rows[:, 0])), int(rows[:, -1].max()))), None)
+        _check_one_run(max(int(np.ptp(rows[:, 0])), int(rows[:, -1].max())), None)
         now = rows[0]
         before, self._confirmed = self._confirmed, now
         taken = int(now[0] - before[0])

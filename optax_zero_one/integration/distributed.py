@@ -43,16 +43,6 @@ LAUNCHED_PID = "OZO_LAUNCHED_PID"  # the pid of the process the launcher started
 LAUNCHER_PID = "OZO_LAUNCHER_PID"  # the launcher's pid: the processes it starts die with it
 
 
-TRACED = (
-    "optax_zero_one's host-side helpers (a dispatch_by_kind dispatcher, dp.jit's steps, "
-    "ozo.step_kind and ozo.step_count, the workers' checks) run on the host between steps, "
-    "with arrays: they cannot run under a JAX transformation (jax.jit, jax.grad, jax.vmap, "
-    "lax.scan). Inside one, call the optimizer's update with step_kind= the kind read on the "
-    "host (schedule.kind(k) for update k, numbered from 1), or without a hint to decide in the "
-    "graph."
-)
-
-
 def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, run outside the caller's context mesh (``jax.set_mesh``), if one is set.
 
@@ -67,7 +57,7 @@ def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             mesh = jax.sharding.get_mesh()
         except ValueError as e:  # JAX: "`get_mesh` can only be used outside of `jax.jit`"
-            raise TypeError(TRACED) from e
+            raise TypeError(_graph.TRACED) from e
         if mesh.empty:
             return fn(*args, **kwargs)
         with jax.set_mesh(None):
