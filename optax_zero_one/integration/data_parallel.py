@@ -114,7 +114,7 @@ class DataParallel:
     multi-process job (each process passes the same arguments, as with ``jax.jit``).
 
     Attributes:
-      mesh: the device mesh (``jax.sharding.Mesh``), ``Auto`` axes.
+      mesh: the device mesh (``jax.sharding.Mesh``), ``Auto`` or ``Explicit`` axes.
       data_axis: the mesh axis of the data workers: the ``axis_name`` of the optimizer; or a
         pair such as ``("node", "local")`` for hierarchical compression (the optimizer built
         with ``axis_name="node", fast_axis_name="local"``; ``docs/hierarchical.md``).
@@ -172,6 +172,19 @@ class DataParallel:
         return any(_spec_axes(s) for s in specs)
 
     # ------------------------------------------------------------------ layouts
+
+    def _auto(self, fn: Callable[..., Any], out_shardings: Any) -> Callable[..., Any]:
+        """``fn`` (the helper's own program, no user code) with the mesh's ``Explicit`` axes
+        made ``Auto`` inside (``jax.sharding.auto_axes``): it indexes and stacks the worker
+        axis, which explicit sharding types refuse when it is sharded. ``fn`` as it is on a
+        mesh of ``Auto`` axes."""
+        explicit = tuple(
+            a for a, t in zip(self.mesh.axis_names, self.mesh.axis_types, strict=True)
+            if t == jax.sharding.AxisType.Explicit
+        )  # fmt: skip
+        if not explicit:
+            return fn
+        return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out_shardings)
 
     def _shardings(self, specs: Any) -> Any:
         """``NamedSharding``\\ s on the mesh for a tree of specs."""
@@ -256,7 +269,9 @@ class DataParallel:
         program = self._program(
             ("from_workers", int(worker), treedef, tuple(leaves)),
             lambda helper: jax.jit(
-                lambda t: jax.tree.map(lambda x: x[worker], t),
+                helper._auto(
+                    lambda t: jax.tree.map(lambda x: x[worker], t), helper._shardings(specs)
+                ),
                 out_shardings=helper._shardings(specs),
             ),
         )
@@ -518,6 +533,13 @@ class DataParallel:
             return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
         by_worker = NamedSharding(self.mesh, P(self.data_axis))
+        # an Explicit data axis is typed in the program: its layout is changed by reshard
+        explicit = self.mesh.axis_types[self.mesh.axis_names.index(self.data_axes[0])]
+        place = (
+            jax.sharding.reshard
+            if explicit == jax.sharding.AxisType.Explicit
+            else jax.lax.with_sharding_constraint
+        )
         donated = (0, 1) if donate else ()
         warned: set = set()  # the leaves warned about, once per step function, not per kind
 
@@ -537,7 +559,7 @@ class DataParallel:
 
             def whole(params: Any, opt_state: Any, batch: Any) -> Any:
                 # the batch split into the workers' shares inside the program: one launch
-                shares = jax.lax.with_sharding_constraint(split(batch), by_worker)
+                shares = place(split(batch), by_worker)
                 return one(params, opt_state, shares)
 
             # with a kind, the dispatcher's counts come out of the same program: one launch
@@ -775,8 +797,11 @@ class DataParallel:
 
                 return helper._per_shard(local, (specs, stack), specs)(p, found[0].inner)
 
+            first = helper._auto(
+                lambda t: jax.tree.map(lambda x: x[0], t), helper._shardings(specs)
+            )
             return jax.jit(
-                lambda p, s: jax.tree.map(lambda x: x[0], helper.on_workers(one)(p, s)),
+                lambda p, s: first(helper.on_workers(one)(p, s)),
                 out_shardings=helper._shardings(specs),
             )
 
@@ -1015,8 +1040,9 @@ def data_parallel(
     """A :class:`DataParallel` for ``params`` (as a jit user holds them) on ``mesh``.
 
     Args:
-      mesh: the device mesh; must have ``data_axis``. Axes should be ``Auto``
-        (``jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * k)``).
+      mesh: the device mesh; must have ``data_axis``. Its axes may be ``Explicit`` (what
+        ``jax.make_mesh`` makes by default: the step's code then sees the model axes typed
+        as JAX's explicit sharding has them) or ``Auto`` (XLA shards the model's operations).
       params: the params tree in the user's layout: ``jax.Array``\\ s sharded with a
         ``NamedSharding`` over ``mesh`` (replicated over the data axis), host arrays (taken as
         replicated), or ``PartitionSpec``\\ s directly.
@@ -1074,15 +1100,22 @@ def data_parallel(
             "axis_types=(jax.sharding.AxisType.Auto,) * 2), or pass data_axis= the name of the "
             "axis your batch is split over."
         )
-    manual = [
-        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t != jax.sharding.AxisType.Auto
-    ]  # fmt: skip
-    if manual:
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    odd = {
+        a: t.name
+        for a, t in types.items()
+        if t not in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit)
+    }
+    if odd:
         raise ValueError(
-            f"mesh axes {manual} are not Auto ({mesh.axis_types}): make the mesh with "
-            "axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names), so that XLA shards the "
-            "model's operations over the other axes."
+            f"mesh axes {odd} are neither Auto nor Explicit: data_parallel makes the data axis "
+            "manual itself, inside its programs. Give it the mesh as jax.make_mesh makes it "
+            "(Explicit axes), or with axis_types=(jax.sharding.AxisType.Auto,) * k."
+        )
+    if len({types[a] for a in names}) > 1:
+        raise ValueError(
+            f"the data axes {names} are typed {[types[a].name for a in names]}: give the pair "
+            "one type, both Explicit or both Auto (the batch is split over both at once)."
         )
 
     def spec_of(path: Any, x: Any) -> P:

@@ -106,7 +106,12 @@ def _counts(leaves: list, per_worker: bool = False) -> jax.Array:
         lead = tuple(jnp.shape(counter))
         parts = [jnp.reshape(counter, (*lead, 1))]
         parts += [jnp.reshape(r, (*lead, -1))[..., :2] for r in refused]
-        parts.append(jnp.zeros((*lead, 1), jnp.int32))
+        parts.append(jnp.zeros_like(parts[0]))
+        # on a mesh of Explicit axes each part's sharding is typed, and the concatenate needs
+        # them alike (a model-sharded state's refusals are sharded over the model axes)
+        typed = jax.typeof(parts[0]).sharding
+        if not typed.mesh.empty and typed.mesh.explicit_axes:
+            parts = [jax.sharding.reshard(x, typed) for x in parts]
     else:
         flat = jnp.reshape(counter, -1)
         parts = [flat[:1]]

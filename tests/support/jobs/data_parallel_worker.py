@@ -22,6 +22,7 @@ if __name__ == "__main__":  # before JAX initialises its backend (docs/testing.m
 
 import argparse  # noqa: E402
 import pathlib  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -81,18 +82,20 @@ def batches(steps: int = STEPS, rows: int = 32) -> list[np.ndarray]:
     return [rng.standard_normal((rows, 16)).astype(np.float32) for _ in range(steps)]
 
 
-def job_mesh(model: int = 2) -> jax.sharding.Mesh:
-    """``("data"=4, "model")`` over the job's devices, in process order."""
+def job_mesh(model: int = 2, kind: str = "Auto") -> jax.sharding.Mesh:
+    """``("data"=4, "model")`` over the job's devices, in process order; axes of ``kind``."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[: 4 * model]
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    return jax.make_mesh((4, model), ("data", "model"), axis_types=auto, devices=devices)
+    types = (getattr(jax.sharding.AxisType, kind),) * 2
+    return jax.make_mesh((4, model), ("data", "model"), axis_types=types, devices=devices)
 
 
-def setup(mesh: jax.sharding.Mesh, seed: int = 0, width: int = 32, **tx: object) -> tuple:
+def setup(
+    mesh: jax.sharding.Mesh, seed: int = 0, width: int = 32, loss: Any = loss_fn, **tx: object
+) -> tuple:
     """``(dp, tx, step, params)``: the params placed as a multi-host jit user places them
     (sharded as ``SPECS`` says over the mesh's axes), the helper, its optimizer (``tx``:
     :func:`make_tx`'s arguments) and the step. ``seed``, ``width``: of the host params (a
-    process given its own seed builds params apart)."""
+    process given its own seed builds params apart); ``loss``: the model's loss."""
 
     def spec(name: str) -> P:
         return SPECS[name] if "model" in mesh.axis_names else P()
@@ -105,9 +108,9 @@ def setup(mesh: jax.sharding.Mesh, seed: int = 0, width: int = 32, **tx: object)
     tx = dp.optimizer(make_tx(**tx))
 
     def step(p: dict, s: object, x: jax.Array, step_kind: object = None) -> tuple:
-        loss, g = jax.value_and_grad(loss_fn)(p, x)
+        value, g = jax.value_and_grad(loss)(p, x)
         u, s = tx.update(g, s, p, step_kind=step_kind)
-        return optax.apply_updates(p, u), s, loss
+        return optax.apply_updates(p, u), s, value
 
     return dp, tx, step, params
 
