@@ -315,7 +315,7 @@ def test_two_d_dispatched_programs_copy_the_counter_out_without_a_collective():
         assert len(model) == len([c for c in in_graph if c.mesh_axes(dp.mesh) == ("model",)])
 
 
-@pytest.mark.parametrize("model", [1, 2])
+@pytest.mark.parametrize("model", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_workers_that_start_apart_are_caught_once_local_steps_begin(model):
     """Params that are not the same on every worker (e.g. initialised with a key per worker)
     train apart for good while every step succeeds; the dispatcher compares the workers'
@@ -1730,7 +1730,7 @@ def test_a_raw_key_split_evenly_over_two_workers_is_named():
         train(p, s, {**batch, "key": jax.random.split(jax.random.key(0), 2)})
 
 
-@pytest.mark.parametrize("model", [1, 2])
+@pytest.mark.parametrize("model", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_step_that_never_exchanges_over_the_data_axis_warns_at_its_first_call(model):
     """``optax.adamw`` inside ``dp.optimizer`` with no ``pmean`` of the gradients ran silently,
     each worker training its own copy (a trial). The first compile of a step without a

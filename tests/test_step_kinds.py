@@ -16,6 +16,8 @@ from support.mapping import mapped
 import optax_zero_one as ozo
 from optax_zero_one.core import _graph
 
+# parameters the default suite skips to stay under ~10 minutes on 2 cores (CI runs them)
+SLOW = pytest.mark.slow
 N = 4
 AXIS = "w"
 VARIANCE = ozo.VarianceDoubling(freeze_step=8, update_scaler=2)  # variance 1, 2, 4, 6, 8
@@ -211,7 +213,9 @@ def test_dispatch_follows_the_schedule_with_one_program_per_kind(name):
     assert ozo.step_count(s2) == 29 and run.skipped == 0 and run.lost == 0
 
 
-@pytest.mark.parametrize("mode", ["vmap", "pmap", "shard_map"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("vmap", marks=SLOW), pytest.param("pmap", marks=SLOW), "shard_map"]
+)
 def test_dispatch_stops_workers_that_train_apart(mode):
     """Workers that start from different params keep different anchors for good while every
     step succeeds; a dispatched run compares them once, at its first check after local steps
@@ -413,7 +417,7 @@ def _dispatcher(tx, schedule, compiled=None):
     return ozo.dispatch_by_kind(compile_kind, schedule)
 
 
-@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+@pytest.mark.parametrize("name", ["zero_one_adam", pytest.param("onebit_adam", marks=SLOW)])
 def test_precompile_compiles_every_kind_before_the_first_step(name):
     """precompile builds every kind's program up front; the run then calls those executables
     (the jitted programs are never traced) and gives the same bits as kinds compiled lazily."""
@@ -531,6 +535,7 @@ def test_the_kinds_ahead_are_the_kinds_the_walk_of_the_run_meets(schedule):
         assert set(schedule.kinds_from(first)) == met, (first, schedule.kinds_from(first), met)
 
 
+@pytest.mark.slow
 def test_precompile_after_a_restore_in_phase_b_compiles_phase_b_only():
     tx = zero_one()
     params = params0()
@@ -843,8 +848,15 @@ def test_host_readers_under_a_transformation_say_so():
     "other",
     [
         ozo.StepSchedule(ozo.VarianceDoubling(freeze_step=20, update_scaler=2), LOCAL),
-        ozo.StepSchedule(VARIANCE, ozo.LocalStepDoubling(scaler=3, clipper=4)),
-        ozo.StepSchedule(VARIANCE, ozo.LocalStepDoubling(scaler=2, clipper=2)),
+        # the default suite keeps one case under 10 minutes on 2 cores; CI runs all
+        pytest.param(
+            ozo.StepSchedule(VARIANCE, ozo.LocalStepDoubling(scaler=3, clipper=4)),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ozo.StepSchedule(VARIANCE, ozo.LocalStepDoubling(scaler=2, clipper=2)),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["later freeze", "other scaler", "other clipper"],
 )
@@ -1041,7 +1053,7 @@ def test_dispatch_reads_the_counters_back_once_every_check_every_steps(monkeypat
         ozo.dispatch_by_kind(lambda kind: None, SCHEDULE, check_every=0)
 
 
-@pytest.mark.parametrize("check_every", [1, 8])
+@pytest.mark.parametrize("check_every", [1, pytest.param(8, marks=SLOW)])
 def test_dispatch_refuses_a_schedule_that_is_not_the_optimizers(check_every):
     """Step 3 is the first the two schedules disagree on; the host reads the counters every
     ``check_every`` steps, 2 steps behind, and raises before the next program runs, so the
@@ -1081,6 +1093,7 @@ def _dispatched(tx):
     return _dispatched_with(tx)
 
 
+@pytest.mark.slow
 def test_several_optimizers_on_other_schedules_are_named_whichever_sorts_first():
     """A multi_transform of 1-bit Adam (label "ob") and 0/1 Adam ("zo") under 0/1 Adam's schedule:
     the dispatcher follows the first counter, which the sorted labels make 1-bit Adam's, and
