@@ -463,24 +463,64 @@ class DataParallel:
                 f"some params are sharded over {self.other_axes}: wrap the optimizer with "
                 "dp.optimizer(tx), so that it runs on each model shard instead of gathering them."
             )
-        return jax.jit(self.on_workers(tx.init))(params)  # once a run: not kept (a new tx each)
+        outs = None
+        if self._explicit_others():  # each model shard's state stays on its shard
+            state = jax.eval_shape(self.on_workers(tx.init), params)
+            per_shard = NamedSharding(self.mesh, P(self.data_axis, self.other_axes))
+            outs = jax.tree.map(
+                lambda x: (
+                    per_shard
+                    if isinstance(x, ShardLocalState)
+                    else NamedSharding(self.mesh, P(self.data_axis))
+                ),
+                state,
+                is_leaf=lambda x: isinstance(x, ShardLocalState),
+            )
+        program = self._on_workers(tx.init, False, None if outs is None else lambda p: outs)
+        return jax.jit(program)(params)  # once a run: not kept (a new tx each)
 
-    def on_workers(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def on_workers(self, fn: Callable[..., Any], out_specs: Any = None) -> Callable[..., Any]:
         """``fn`` on one worker's trees, lifted to the worker layout: every argument and result
         has a leading worker axis; ``fn`` runs manual over the data axis only (other axes
-        automatic). Not jitted. E.g. ``jax.jit(dp.on_workers(make_nnx_optimizer_state))``."""
-        return self._on_workers(fn, False)
+        automatic). Not jitted. E.g. ``jax.jit(dp.on_workers(make_nnx_optimizer_state))``.
 
-    def _on_workers(self, fn: Callable[..., Any], batched: bool) -> Callable[..., Any]:
+        ``out_specs``: on a mesh whose other axes are ``Explicit``, the results' specs in the
+        worker layout (a tree, or a prefix of one, of ``PartitionSpec``\\ s over the mesh,
+        e.g. ``P("data", None, "model")``); ``fn`` then runs with those axes ``Auto`` and its
+        results are placed so. Default: ``P(data_axis)``, replicated over the other axes.
+        Unused on ``Auto`` axes, where XLA places the results."""
+        outs = None if out_specs is None else self._shardings(out_specs)
+        return self._on_workers(fn, False, None if outs is None else lambda *args: outs)
+
+    def _explicit_others(self) -> tuple[str, ...]:
+        """The mesh axes other than the data axes whose type is ``Explicit``."""
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+        return tuple(a for a in self.other_axes if types[a] == jax.sharding.AxisType.Explicit)
+
+    def _on_workers(
+        self, fn: Callable[..., Any], batched: bool, outs: Callable[..., Any] | None = None
+    ) -> Callable[..., Any]:
         """:meth:`on_workers`, with ``batched`` as in :func:`~optax_zero_one.on_workers` (``fn``
-        under ``jax.vmap`` over the block: params and state updated in place on CPU)."""
-        return jax.shard_map(
-            distributed.worker_body(fn, batched, self.data_axes, "data_parallel"),
-            mesh=self.mesh,
-            in_specs=P(self.data_axis),
-            out_specs=P(self.data_axis),
-            axis_names=set(self.data_axes),
-        )
+        under ``jax.vmap`` over the block: params and state updated in place on CPU), and
+        ``outs(*args)`` the results' shardings where the other axes are ``Explicit``."""
+        body = distributed.worker_body(fn, batched, self.data_axes, "data_parallel")
+        spec, manual = P(self.data_axis), set(self.data_axes)
+        others = self._explicit_others()
+        if not others:
+            return jax.shard_map(
+                body, mesh=self.mesh, in_specs=spec, out_specs=spec, axis_names=manual
+            )
+
+        # JAX 0.10.2 lowers a shard_map over an Explicit mesh with an input sharding that
+        # replicates the axes it is not manual over: every model-sharded leaf and state was
+        # all-gathered over them in and sharded again out, ~190x a step's bytes and 2-2.4x its
+        # peak memory (a trial). With those axes Auto inside (as on an Auto mesh) nothing moves.
+        def mapped(*args: Any) -> Any:
+            inner = jax.shard_map(body, in_specs=spec, out_specs=spec, axis_names=manual)
+            placed = NamedSharding(self.mesh, spec) if outs is None else outs(*args)
+            return jax.sharding.auto_axes(inner, axes=others, out_sharding=placed)(*args)
+
+        return mapped
 
     # ------------------------------------------------------------------ the step
 
@@ -533,6 +573,7 @@ class DataParallel:
             return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
         by_worker = NamedSharding(self.mesh, P(self.data_axis))
+        typed = lambda tree: jax.tree.map(lambda x: jax.typeof(x).sharding, tree)  # noqa: E731
         # an Explicit data axis is typed in the program: its layout is changed by reshard
         explicit = self.mesh.axis_types[self.mesh.axis_names.index(self.data_axes[0])]
         place = (
@@ -555,6 +596,7 @@ class DataParallel:
             one = self._on_workers(
                 functools.partial(_checked_step, step, {} if kind is None else {"step_kind": kind}),
                 kind is not None,
+                lambda params, opt_state, batch: (typed(params), typed(opt_state), by_worker),
             )
 
             def whole(params: Any, opt_state: Any, batch: Any) -> Any:
@@ -800,8 +842,11 @@ class DataParallel:
             first = helper._auto(
                 lambda t: jax.tree.map(lambda x: x[0], t), helper._shardings(specs)
             )
+            stacked = jax.tree.map(
+                lambda spec: P(helper.data_axis, *spec), specs, is_leaf=lambda x: isinstance(x, P)
+            )
             return jax.jit(
-                lambda p, s: first(helper.on_workers(one)(p, s)),
+                lambda p, s: first(helper.on_workers(one, stacked)(p, s)),
                 out_shardings=helper._shardings(specs),
             )
 
