@@ -1399,6 +1399,33 @@ def test_an_explicit_mesh_trains_as_an_auto_one(model):
         run["step"](run["params_w"], bad, batches(1)[0])
 
 
+def test_a_helper_for_another_mesh_works_inside_the_old_meshs_context():
+    """An elastic restart written in a ``jax.set_mesh`` codebase builds the new helper while
+    the old mesh's context is still open: dp.init failed there with JAX's "the context mesh
+    ... should match the mesh passed to shard_map" (a trial). The helper's programs now run
+    under its own mesh: the same bits as the run outside the context."""
+    old = mesh_of(2)
+    new = jax.make_mesh(
+        (2, 2), ("data", "model"), axis_types=(AUTO,) * 2, devices=old.devices[:2].ravel()
+    )
+
+    def run():
+        dp, tx, step, params = job.setup(new)
+        p = dp.to_workers(params)
+        s = dp.init(tx, p)
+        train = dp.jit(step, schedule=SCHEDULE)
+        for x in batches(8, rows=16):
+            p, s, _ = train(p, s, x)
+        train.settle()
+        return jax.tree.leaves((dp.synchronized_params(p, s), dp.from_workers(p), s))
+
+    outside = run()
+    with jax.set_mesh(old):
+        inside = run()
+    for a, b in zip(outside, inside, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_in_graph_kinds_of_a_bare_scheduled_mean_on_a_model_sharded_mesh():
     """DiLoCo's documented warm-up (a bare ``ozo.scheduled_mean`` in its inner chain) through
     ``dp.jit`` without a schedule on the 2-D mesh: the kinds decided in the graph, inside

@@ -23,6 +23,7 @@ worker's update must see its *local* gradient. :class:`DataParallel` does the co
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -47,6 +48,31 @@ from optax_zero_one.core.flat import FlatTree
 from optax_zero_one.core.kinds import StepKind, StepSchedule
 from optax_zero_one.integration import dispatch, distributed, workers
 from optax_zero_one.integration.workers import ShardLocalState
+
+
+def _own_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A helper's method that runs programs of its own, run under the helper's mesh whatever
+    context mesh (``jax.set_mesh``) the caller has open. Under another one (the old mesh of an
+    elastic restart, still open while the new helper is built) JAX refused them ("the context
+    mesh ... should match the mesh passed to shard_map"; a trial); under none or its own,
+    nothing changes. Inside a trace (``jax.eval_shape`` of ``dp.init``) the context is kept."""
+
+    @functools.wraps(method)
+    def wrapped(self: DataParallel, *args: Any, **kwargs: Any) -> Any:
+        with _on(self.mesh):
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
+def _on(mesh: jax.sharding.Mesh) -> Any:
+    """``jax.set_mesh(mesh)`` where the caller has another context mesh open, else nothing
+    (:func:`_own_mesh`)."""
+    try:
+        current = jax.sharding.get_mesh()
+    except ValueError:  # traced: the caller's context stands
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if current.empty or current == mesh else jax.set_mesh(mesh)
 
 
 def _names(axis: str | tuple) -> tuple[str, ...]:
@@ -250,6 +276,7 @@ class DataParallel:
                     "or replicate the leaf (P())."
                 )
 
+    @_own_mesh
     def from_workers(self, tree: Any, specs: Any = None, worker: int = 0) -> Any:
         """One worker's copy of a worker-layout tree, in the user's layout (``jax.Array``\\ s
         sharded by ``specs``, default the params'). Runs as one jitted program on every
@@ -453,6 +480,7 @@ class DataParallel:
             check_vma=False,
         )
 
+    @_own_mesh
     def init(self, tx: optax.GradientTransformation, params: Any) -> Any:
         """The optimizer state of ``params`` (worker layout), in the worker layout."""
         self.check_worker_layout(params, "params")
@@ -634,6 +662,10 @@ class DataParallel:
             compiling = threading.Lock()  # two threads' first calls compile once
 
             def program(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+                with _on(self.mesh):  # traced under the helper's mesh (~0.3 us a call)
+                    return run(*args, **kwargs)
+
+            def run(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
                 params, opt_state, batch = _three(args, kwargs, "train")
                 if jax.config.jax_disable_jit:  # JAX's error names its ahead-of-time path
                     raise ValueError(
@@ -677,7 +709,8 @@ class DataParallel:
                     for x in jax.tree.leaves((params, opt_state, batch))
                 ):
                     check(params, opt_state, batch, leaves=True)  # before any step has run
-                return trace(params, opt_state, batch).lower()
+                with _on(self.mesh):
+                    return trace(params, opt_state, batch).lower()
 
             def trace(params: Any, opt_state: Any, batch: Any) -> Any:
                 """The step traced for its compile (first call or precompile), and what is read
@@ -819,6 +852,7 @@ class DataParallel:
 
     # ------------------------------------------------------------------ evaluation
 
+    @_own_mesh
     def synchronized_params(self, params: Any, opt_state: Any) -> Any:
         """The parameters at the last synchronisation, in the user's layout (sharded by
         ``param_specs``, no worker axis): what to evaluate, export or checkpoint."""
@@ -935,6 +969,7 @@ class DataParallel:
             and np.shape(x)[0] == self.num_workers
         )
 
+    @_own_mesh
     def reset_compression(self, params: Any, opt_state: Any, fresh_state: Any) -> tuple[Any, Any]:
         """:func:`~optax_zero_one.reset_compression` onto this helper's mesh: a state restored
         from a run with another number of data workers moved to this one's, continuing from the
