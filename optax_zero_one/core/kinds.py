@@ -371,14 +371,19 @@ def step_count(state: Any) -> int:
     where they differ, a batch of independent runs of which one skipped a step). ``ValueError``
     for a state without a counter.
     """
+    return _count(state, "step_count")
+
+
+def _count(state: Any, who: str) -> int:
+    """:func:`step_count`, its errors naming ``who``, the public function the user called."""
     counter = _graph.step_counter(state)
     if counter is None:
-        _graph.check_not_nnx_state(state, "step_count")
+        _graph.check_not_nnx_state(state, who)
         raise ValueError(
             "This state holds no step counter of optax_zero_one's transforms (a state made by "
             "zero_one_adam, onebit_adam or one of their blocks is needed)."
         )
-    return _graph.check_counters_agree(counter, "step_count")
+    return _graph.check_counters_agree(counter, who)
 
 
 def check_hints(state: Any) -> None:
@@ -493,4 +498,4 @@ def _check_schedule_argument(name: str, state: Any, schedule: Any) -> None:
 def step_kind(state: Any, schedule: StepSchedule) -> StepKind:
     """The kind of the next update of ``state`` (host side: reads the counter once)."""
     _check_schedule_argument("step_kind", state, schedule)
-    return schedule.kind(step_count(state) + 1)
+    return schedule.kind(_count(state, "step_kind") + 1)
