@@ -204,10 +204,7 @@ class DataParallel:
         made ``Auto`` inside (``jax.sharding.auto_axes``): it indexes and stacks the worker
         axis, which explicit sharding types refuse when it is sharded. ``fn`` as it is on a
         mesh of ``Auto`` axes."""
-        explicit = tuple(
-            a for a, t in zip(self.mesh.axis_names, self.mesh.axis_types, strict=True)
-            if t == jax.sharding.AxisType.Explicit
-        )  # fmt: skip
+        explicit = self._explicit(self.mesh.axis_names)
         if not explicit:
             return fn
         return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out_shardings)
@@ -492,7 +489,7 @@ class DataParallel:
                 "dp.optimizer(tx), so that it runs on each model shard instead of gathering them."
             )
         outs = None
-        if self._explicit_others():  # each model shard's state stays on its shard
+        if self._explicit(self.other_axes):  # each model shard's state stays on its shard
             state = jax.eval_shape(self.on_workers(tx.init), params)
             per_shard = NamedSharding(self.mesh, P(self.data_axis, self.other_axes))
             outs = jax.tree.map(
@@ -520,10 +517,10 @@ class DataParallel:
         outs = None if out_specs is None else self._shardings(out_specs)
         return self._on_workers(fn, False, None if outs is None else lambda *args: outs)
 
-    def _explicit_others(self) -> tuple[str, ...]:
-        """The mesh axes other than the data axes whose type is ``Explicit``."""
+    def _explicit(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """Those of the mesh axes ``axes`` whose type is ``Explicit``."""
         types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
-        return tuple(a for a in self.other_axes if types[a] == jax.sharding.AxisType.Explicit)
+        return tuple(a for a in axes if types[a] == jax.sharding.AxisType.Explicit)
 
     def _on_workers(
         self, fn: Callable[..., Any], batched: bool, outs: Callable[..., Any] | None = None
@@ -533,7 +530,7 @@ class DataParallel:
         ``outs(*args)`` the results' shardings where the other axes are ``Explicit``."""
         body = distributed.worker_body(fn, batched, self.data_axes, "data_parallel")
         spec, manual = P(self.data_axis), set(self.data_axes)
-        others = self._explicit_others()
+        others = self._explicit(self.other_axes)
         if not others:
             return jax.shard_map(
                 body, mesh=self.mesh, in_specs=spec, out_specs=spec, axis_names=manual
@@ -603,10 +600,9 @@ class DataParallel:
         by_worker = NamedSharding(self.mesh, P(self.data_axis))
         typed = lambda tree: jax.tree.map(lambda x: jax.typeof(x).sharding, tree)  # noqa: E731
         # an Explicit data axis is typed in the program: its layout is changed by reshard
-        explicit = self.mesh.axis_types[self.mesh.axis_names.index(self.data_axes[0])]
         place = (
             jax.sharding.reshard
-            if explicit == jax.sharding.AxisType.Explicit
+            if self._explicit(self.data_axes)
             else jax.lax.with_sharding_constraint
         )
         donated = (0, 1) if donate else ()
@@ -1121,8 +1117,8 @@ def data_parallel(
 
     Args:
       mesh: the device mesh; must have ``data_axis``. Its axes may be ``Explicit`` (what
-        ``jax.make_mesh`` makes by default: the step's code then sees the model axes typed
-        as JAX's explicit sharding has them) or ``Auto`` (XLA shards the model's operations).
+        ``jax.make_mesh`` makes by default) or ``Auto``; either way the step runs manual over
+        the data axis with the other axes ``Auto`` (``docs/jit.md``, "Limits").
       params: the params tree in the user's layout: ``jax.Array``\\ s sharded with a
         ``NamedSharding`` over ``mesh`` (replicated over the data axis), host arrays (taken as
         replicated), or ``PartitionSpec``\\ s directly.
