@@ -66,13 +66,12 @@ def _own_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _on(mesh: jax.sharding.Mesh) -> Any:
-    """``jax.set_mesh(mesh)`` where the caller has another context mesh open, else nothing
-    (:func:`_own_mesh`)."""
+    """:func:`~optax_zero_one.integration.distributed.leave_other_mesh` for ``mesh``; traced,
+    nothing: the caller's context stands (:func:`_own_mesh`)."""
     try:
-        current = jax.sharding.get_mesh()
-    except ValueError:  # traced: the caller's context stands
+        return distributed.leave_other_mesh(mesh)
+    except ValueError:  # JAX: "`get_mesh` can only be used outside of `jax.jit`"
         return contextlib.nullcontext()
-    return contextlib.nullcontext() if current.empty or current == mesh else jax.set_mesh(mesh)
 
 
 def _names(axis: str | tuple) -> tuple[str, ...]:
@@ -481,16 +480,17 @@ class DataParallel:
     def init(self, tx: optax.GradientTransformation, params: Any) -> Any:
         """The optimizer state of ``params`` (worker layout), in the worker layout."""
         self.check_worker_layout(params, "params")
-        if self.model_sharded and not _graph.nodes_of(
-            jax.eval_shape(self.on_workers(tx.init), params), ShardLocalState
-        ):
+        explicit = self._explicit(self.other_axes)
+        shapes = None  # the state's structure, traced once for both uses below
+        if self.model_sharded or explicit:
+            shapes = jax.eval_shape(self.on_workers(tx.init), params)
+        if self.model_sharded and not _graph.nodes_of(shapes, ShardLocalState):
             raise ValueError(
                 f"some params are sharded over {self.other_axes}: wrap the optimizer with "
                 "dp.optimizer(tx), so that it runs on each model shard instead of gathering them."
             )
         outs = None
-        if self._explicit(self.other_axes):  # each model shard's state stays on its shard
-            state = jax.eval_shape(self.on_workers(tx.init), params)
+        if explicit:  # each model shard's state stays on its shard
             per_shard = NamedSharding(self.mesh, P(self.data_axis, self.other_axes))
             outs = jax.tree.map(
                 lambda x: (
@@ -498,7 +498,7 @@ class DataParallel:
                     if isinstance(x, ShardLocalState)
                     else NamedSharding(self.mesh, P(self.data_axis))
                 ),
-                state,
+                shapes,
                 is_leaf=lambda x: isinstance(x, ShardLocalState),
             )
         program = self._on_workers(tx.init, False, None if outs is None else lambda p: outs)
@@ -658,10 +658,6 @@ class DataParallel:
             compiling = threading.Lock()  # two threads' first calls compile once
 
             def program(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
-                with _on(self.mesh):  # traced under the helper's mesh (~0.3 us a call)
-                    return run(*args, **kwargs)
-
-            def run(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
                 params, opt_state, batch = _three(args, kwargs, "train")
                 if jax.config.jax_disable_jit:  # JAX's error names its ahead-of-time path
                     raise ValueError(
@@ -677,26 +673,28 @@ class DataParallel:
                         return first[0](params, opt_state, batch)
                     except (TypeError, ValueError):
                         pass  # raised before running: other arguments, checked here
-                # a dispatcher checks the leaves itself, at its first call and after a restore
-                check(params, opt_state, batch, leaves=kind is None)
-                with compiling:
-                    compiled_here = first[0] is None
-                    if compiled_here:
-                        traced = trace(params, opt_state, batch)
-                        lowered = traced.lower()
-                        if kind is None:
-                            sizes = [len(jax.tree.leaves(t)) for t in (params, opt_state)]
-                            self._warn_if_no_mean(traced.jaxpr, program.passed_through, *sizes)
-                            # no dispatcher compares the processes: this first call does
-                            _check_processes_run(lowered, params, opt_state, batch)
-                        first[0] = lowered.compile()
-                if not compiled_here:  # another thread's first call compiled it
-                    try:
-                        return first[0](params, opt_state, batch)
-                    except (TypeError, ValueError):
-                        pass  # for other shapes
-                    return mapped[0](params, opt_state, batch)  # jit compiles for the others
-                return first[0](params, opt_state, batch)
+                # traced under the helper's mesh, whatever context mesh the caller has open
+                with _on(self.mesh):
+                    # a dispatcher checks the leaves itself, at its first call and after a restore
+                    check(params, opt_state, batch, leaves=kind is None)
+                    with compiling:
+                        compiled_here = first[0] is None
+                        if compiled_here:
+                            traced = trace(params, opt_state, batch)
+                            lowered = traced.lower()
+                            if kind is None:
+                                sizes = [len(jax.tree.leaves(t)) for t in (params, opt_state)]
+                                self._warn_if_no_mean(traced.jaxpr, program.passed_through, *sizes)
+                                # no dispatcher compares the processes: this first call does
+                                _check_processes_run(lowered, params, opt_state, batch)
+                            first[0] = lowered.compile()
+                    if not compiled_here:  # another thread's first call compiled it
+                        try:
+                            return first[0](params, opt_state, batch)
+                        except (TypeError, ValueError):
+                            pass  # for other shapes
+                        return mapped[0](params, opt_state, batch)  # jit compiles for the others
+                    return first[0](params, opt_state, batch)
 
             def lower(*args: Any) -> Any:  # for precompile
                 params, opt_state, batch = _three(args, {}, "train.precompile")

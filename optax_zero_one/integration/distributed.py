@@ -18,6 +18,7 @@ Nothing here sets JAX's configuration: ask for simulated CPU devices before JAX 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -55,15 +56,23 @@ def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
-            mesh = jax.sharding.get_mesh()
+            context = leave_other_mesh(None)
         except ValueError as e:  # JAX: "`get_mesh` can only be used outside of `jax.jit`"
             raise TypeError(_graph.TRACED) from e
-        if mesh.empty:
-            return fn(*args, **kwargs)
-        with jax.set_mesh(None):
+        with context:
             return fn(*args, **kwargs)
 
     return wrapped
+
+
+def leave_other_mesh(mesh: jax.sharding.Mesh | None) -> Any:
+    """A context that sets ``mesh`` (``None``: no mesh) where the caller has another context
+    mesh (``jax.set_mesh``) open, and changes nothing where it has none or that one. JAX's
+    ``ValueError`` from ``get_mesh`` where called under a trace."""
+    current = jax.sharding.get_mesh()
+    if current.empty or current == mesh:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
 
 
 @outside_user_mesh
