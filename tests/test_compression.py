@@ -156,6 +156,57 @@ def test_segment_sums_both_ways_and_under_vmap(how):
         np.testing.assert_array_equal(np.asarray(fn(x)), got)
 
 
+def test_segment_sums_trace_one_form_and_lower_each_platforms():
+    """The choice between the scatter and the scan is made at lowering: the trace holds one
+    operation (no conditional, neither form traced), CPU lowers to the scatter, GPU and TPU
+    to the scan, a lowering for several platforms holds both; vmap, gradients and shard_map
+    typing go through it as through either form."""
+    rng = np.random.default_rng(4)
+    segment_of = np.sort(rng.integers(0, 6, 200))
+    segment_of = segment_of[segment_of != 2]
+    x = jnp.asarray(rng.standard_normal((3, segment_of.size)), jnp.float32)
+
+    def sums(v, how=None):
+        return _graph.segment_sums(v, segment_of, 7, how)
+
+    eqns = jax.make_jaxpr(sums)(x).jaxpr.eqns
+    assert [e.primitive.name for e in eqns] == ["ozo_segment_sums"]
+    traced = jax.jit(sums).trace(x)
+    for platforms, scatter, scan in (
+        (("cpu",), True, False),
+        (("cuda",), False, True),
+        (("tpu",), False, True),
+        (("cpu", "cuda"), True, True),
+    ):
+        text = traced.lower(lowering_platforms=platforms).as_text()
+        assert ("scatter" in text) == scatter, platforms
+        # the scan's adds: one per level of its tree at least
+        assert (text.count("stablehlo.add") > 4) == scan, platforms
+    want = np.asarray(sums(x, "scan"))
+    np.testing.assert_allclose(np.asarray(jax.jit(sums)(x)), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(sums(x)), want, rtol=1e-6, atol=1e-6)  # eager
+    stacked = jnp.stack([x, 2 * x], axis=1)
+    batched = jax.vmap(sums, in_axes=1, out_axes=1)(stacked)
+    np.testing.assert_allclose(np.asarray(batched[:, 1]), 2 * want, rtol=1e-6, atol=1e-5)
+    loss = lambda v: jnp.sum(jnp.sin(sums(v)))  # noqa: E731
+    # d/dx of sum(sin(sums)): each position gets its segment's cos(sum)
+    np.testing.assert_allclose(
+        np.asarray(jax.grad(loss)(x)), np.cos(want)[:, segment_of], rtol=1e-5, atol=1e-5
+    )
+    tangent = jax.jvp(sums, (x,), (2 * x,))[1]
+    np.testing.assert_allclose(np.asarray(tangent), 2 * want, rtol=1e-6, atol=1e-5)
+    mesh = jax.make_mesh((2,), ("w",))
+    on_workers = jax.shard_map(
+        lambda v: (sums(v), jax.lax.psum(sums(v), "w")),
+        mesh=mesh,
+        in_specs=jax.P("w"),
+        out_specs=(jax.P("w"), jax.P()),
+    )
+    placed = jax.device_put(jnp.concatenate([x, x[:1]]), jax.NamedSharding(mesh, jax.P("w")))
+    own, total = jax.jit(on_workers)(placed)
+    assert own.shape == (4, 7) and total.shape == (2, 7)
+
+
 @pytest.mark.parametrize("block", [8, 32])
 def test_the_blocks_view_packs_and_decodes_as_the_buffer_does(block, monkeypatch):
     """pack_blocks / unpack_blocks (the collective's view) give the bytes of pack_signs and the

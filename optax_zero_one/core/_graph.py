@@ -26,9 +26,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.interpreters import ad, batching, mlir
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -327,14 +329,16 @@ def cut_offsets(starts: np.ndarray) -> list:
     starts = int32_starts(starts)
     if starts.size == 0:
         return []
+    return list(_cut_offsets_p.bind(starts=tuple(int(v) for v in starts)))
 
-    def apart() -> tuple:
-        return tuple(scalars_apart(jax.lax.optimization_barrier(jnp.asarray(starts))))
 
-    def folded() -> tuple:
-        return tuple(jnp.asarray(v, jnp.int32) for v in starts)
+def _offsets_apart(*, starts: tuple) -> tuple:
+    barrier = jax.lax.optimization_barrier(jnp.asarray(starts, jnp.int32))
+    return tuple(scalars_apart(barrier))
 
-    return list(jax.lax.platform_dependent(cpu=apart, default=folded))
+
+def _offsets_folded(*, starts: tuple) -> tuple:
+    return tuple(jnp.asarray(v, jnp.int32) for v in starts)
 
 
 def segment_sums(
@@ -348,35 +352,132 @@ def segment_sums(
     arrive, so one program gave different per-leaf scales from one call to the next (seen on an
     H200, jax 0.11.2). On CPU, where the scatter is a loop in order, it is kept (it is the
     faster); elsewhere a segmented prefix sum (``lax.associative_scan``, a fixed tree of adds,
-    resetting at each segment's start) read at each segment's end. Choosing at lowering
-    (``lax.platform_dependent``) leaves one of the two in the program and no conditional.
+    resetting at each segment's start) read at each segment's end.
+
+    The choice is made at lowering, by a primitive of this module with one lowering per
+    platform: the program holds one of the two and no conditional, and only the chosen one is
+    ever traced. (``lax.platform_dependent`` makes the same choice, but traces both forms, and
+    under ``vmap`` batches both again: on XLA:CPU that was most of what 0/1 Adam's compressed
+    and sync programs took to lower beyond a local step's, ~0.15-0.4 s each at 100 leaves.)
     ``how="scatter"`` or ``"scan"`` takes one on any backend (for tests).
     """
-    segment_of = np.asarray(segment_of)
-    counts = np.bincount(segment_of, minlength=num_segments)
+    segments = _Segments(segment_of, num_segments)
+    if segments.size == 0:
+        return jnp.zeros((*values.shape[:-1], num_segments), values.dtype)
+    if how is not None:
+        return {"scatter": _scatter_sums, "scan": _scan_sums}[how](values, segments=segments)
+    return _segment_sums_p.bind(values, segments=segments)
+
+
+class _Segments:
+    """A sorted ``segment_of`` and its segment count as a static, hashable primitive parameter
+    (hashed once, from its bytes)."""
+
+    def __init__(self, segment_of: np.ndarray, num: int) -> None:
+        self.segment_of = np.asarray(segment_of)
+        self.num = int(num)
+        self.size = int(self.segment_of.size)
+        self._key = (self.num, self.segment_of.dtype.str, self.segment_of.tobytes())
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Segments) and self._key == other._key
+
+    def __repr__(self) -> str:  # printed in jaxprs
+        return f"Segments(positions={self.size}, segments={self.num})"
+
+
+def _scatter_sums(x: jax.Array, *, segments: _Segments) -> jax.Array:
+    out = jax.ops.segment_sum(
+        jnp.moveaxis(x, -1, 0),
+        jnp.asarray(segments.segment_of),
+        segments.num,
+        indices_are_sorted=True,
+    )
+    return jnp.moveaxis(out, 0, -1)
+
+
+def _scan_sums(x: jax.Array, *, segments: _Segments) -> jax.Array:
+    segment_of = segments.segment_of
+    counts = np.bincount(segment_of, minlength=segments.num)
     ends = np.maximum(np.cumsum(counts) - 1, 0)
     starts = np.ones(segment_of.shape, bool)
     starts[1:] = segment_of[1:] != segment_of[:-1]
 
-    def scatter(x: jax.Array) -> jax.Array:
-        out = jax.ops.segment_sum(
-            jnp.moveaxis(x, -1, 0), jnp.asarray(segment_of), num_segments, indices_are_sorted=True
-        )
-        return jnp.moveaxis(out, 0, -1)
+    def add(a: Any, b: Any) -> Any:
+        return jnp.where(b[1], b[0], a[0] + b[0]), a[1] | b[1]
 
-    def scan(x: jax.Array) -> jax.Array:
-        def add(a: Any, b: Any) -> Any:
-            return jnp.where(b[1], b[0], a[0] + b[0]), a[1] | b[1]
+    flags = jnp.broadcast_to(jnp.asarray(starts), x.shape)
+    prefix, _ = jax.lax.associative_scan(add, (x, flags), axis=-1)
+    return jnp.where(jnp.asarray(counts > 0), prefix[..., ends], 0).astype(x.dtype)
 
-        flags = jnp.broadcast_to(jnp.asarray(starts), x.shape)
-        prefix, _ = jax.lax.associative_scan(add, (x, flags), axis=-1)
-        return jnp.where(jnp.asarray(counts > 0), prefix[..., ends], 0)
 
-    if segment_of.size == 0:
-        return jnp.zeros((*values.shape[:-1], num_segments), values.dtype)
-    if how is not None:
-        return {"scatter": scatter, "scan": scan}[how](values)
-    return jax.lax.platform_dependent(values, cpu=scatter, default=scan)
+def _segment_sums_abstract(x: Any, *, segments: _Segments) -> Any:
+    # the input's type with the last axis resized: dtype, sharding and shard_map typing kept
+    return x.update(shape=(*x.shape[:-1], segments.num))
+
+
+def _segment_sums_batched(args: Sequence, dims: Sequence, *, segments: _Segments) -> tuple:
+    (x,), (dim,) = args, dims
+    return _segment_sums_p.bind(jnp.moveaxis(x, dim, 0), segments=segments), 0
+
+
+def _segment_sums_transposed(cotangent: Any, x: Any, *, segments: _Segments) -> list:
+    del x  # linear: the cotangent of each position is its segment's
+    return [jnp.take(cotangent, jnp.asarray(segments.segment_of), axis=-1)]
+
+
+def per_platform(
+    name: str,
+    cpu: Callable,
+    default: Callable,
+    abstract: Callable,
+    multiple_results: bool = False,
+) -> jex.Primitive:
+    """A primitive computed by ``cpu`` when lowered for XLA:CPU and by ``default`` elsewhere
+    (both ``fn(*arrays, **params) ->`` the same types, which ``abstract`` gives from the
+    inputs' types): the one place the library's CPU-only forms are chosen.
+
+    Unlike ``lax.platform_dependent``, which traces every form into a conditional (and under
+    ``vmap`` batches every form again), the program's trace holds one operation, and only the
+    chosen form is traced, when the program is lowered for its platform; lowered for several
+    platforms at once (``jax.export``), each gets its own. Batching and differentiation rules,
+    where a use needs them, are registered on the primitive returned.
+    """
+
+    def lowered_by(impl: Callable) -> Callable:
+        def rule(ctx: Any, *args: Any, **params: Any) -> Any:
+            body = functools.partial(impl, **params)
+            return mlir.lower_fun(body, multiple_results=multiple_results)(ctx, *args)
+
+        return rule
+
+    primitive = jex.Primitive(name)
+    primitive.multiple_results = multiple_results
+    primitive.def_impl(
+        lambda *args, **params: jax.jit(functools.partial(primitive.bind, **params))(*args)
+    )
+    primitive.def_abstract_eval(abstract)
+    mlir.register_lowering(primitive, lowered_by(cpu), platform="cpu")
+    mlir.register_lowering(primitive, lowered_by(default))
+    return primitive
+
+
+_cut_offsets_p = per_platform(
+    "ozo_cut_offsets",
+    _offsets_apart,
+    _offsets_folded,
+    lambda *, starts: [jax.core.ShapedArray((), jnp.int32)] * len(starts),
+    multiple_results=True,
+)
+_segment_sums_p = per_platform(
+    "ozo_segment_sums", _scatter_sums, _scan_sums, _segment_sums_abstract
+)
+batching.primitive_batchers[_segment_sums_p] = _segment_sums_batched
+ad.deflinear2(_segment_sums_p, _segment_sums_transposed)
 
 
 def index_of(conditions: Sequence[Any]) -> jax.Array:
@@ -420,14 +521,22 @@ def computed_once(flag: Any) -> Any:
     slower to compile, not faster to run. A floating-point division is an op XLA does not
     duplicate, so on XLA:CPU the flag goes through one (exactly: ``1 / 1 > 0.75``,
     ``1 / 2 < 0.75``) and is computed once; other backends get ``flag`` as it is (not
-    measured there), chosen at lowering (``lax.platform_dependent``: no conditional).
+    measured there), chosen at lowering (:func:`per_platform`: no conditional).
     Measured in ``docs/design.md`` ("The checks are computed once").
     """
 
-    def apart(x: Any) -> Any:
-        return jnp.reciprocal(jnp.where(x, 1.0, 2.0).astype(jnp.float32)) > 0.75
+    return _computed_once_p.bind(flag)
 
-    return jax.lax.platform_dependent(flag, cpu=apart, default=lambda x: x)
+
+def _flag_apart(x: Any) -> Any:
+    return jnp.reciprocal(jnp.where(x, 1.0, 2.0).astype(jnp.float32)) > 0.75
+
+
+_computed_once_p = per_platform("ozo_computed_once", _flag_apart, lambda x: x, lambda x: x)
+batching.primitive_batchers[_computed_once_p] = lambda args, dims: (
+    _computed_once_p.bind(*args),
+    dims[0],
+)
 
 
 def keep_if(ok: Any, new: Any, old: Any) -> Any:
