@@ -457,13 +457,21 @@ def per_platform(
 
     primitive = jex.Primitive(name)
     primitive.multiple_results = multiple_results
-    primitive.def_impl(
-        lambda *args, **params: jax.jit(functools.partial(primitive.bind, **params))(*args)
-    )
+    primitive.def_impl(lambda *args, **params: _compiled(primitive, **params)(*args))
     primitive.def_abstract_eval(abstract)
     mlir.register_lowering(primitive, lowered_by(cpu), platform="cpu")
     mlir.register_lowering(primitive, lowered_by(default))
     return primitive
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(primitive: jex.Primitive, params: tuple) -> Callable:
+    return jax.jit(functools.partial(primitive.bind, **dict(params)))
+
+
+def _compiled(primitive: jex.Primitive, **params: Any) -> Callable:
+    """The primitive run outside a trace (eagerly): compiled once per set of parameters."""
+    return _jitted(primitive, tuple(sorted(params.items())))
 
 
 _cut_offsets_p = per_platform(
