@@ -4,9 +4,11 @@ per-leaf scales, packing, scales on the wire."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from support.reference import padded_size as ref_padded_size
 
+import optax_zero_one as ozo
 from optax_zero_one.core import _graph, compression, flat
 
 SHAPES = [(5, 7), (), (64,), (3, 1, 9), (0, 4), (130,)]
@@ -205,6 +207,54 @@ def test_segment_sums_trace_one_form_and_lower_each_platforms():
     placed = jax.device_put(jnp.concatenate([x, x[:1]]), jax.NamedSharding(mesh, jax.P("w")))
     own, total = jax.jit(on_workers)(placed)
     assert own.shape == (4, 7) and total.shape == (2, 7)
+
+
+def test_the_per_platform_forms_run_outside_a_trace():
+    """Outside a trace (``jax.disable_jit``, ``ensure_compile_time_eval`` inside a jit) the
+    per-platform primitives run their platform's form op by op; their eager form was a jit of
+    the primitive, which under ``disable_jit`` called itself until Python's recursion limit (a
+    trial)."""
+    segment_of = np.repeat(np.arange(3), 4)
+    x = jnp.arange(24.0).reshape(2, 12)
+    want = np.asarray(x).reshape(2, 3, 4).sum(-1)
+    with jax.disable_jit():
+        np.testing.assert_array_equal(np.asarray(_graph.segment_sums(x, segment_of, 3)), want)
+        assert [int(v) for v in _graph.cut_offsets(np.array([0, 8]))] == [0, 8]
+        assert bool(_graph.computed_once(jnp.asarray(True)))
+
+    @jax.jit
+    def offsets():
+        with jax.ensure_compile_time_eval():
+            return jnp.stack(_graph.cut_offsets(np.array([0, 8, 28])))
+
+    np.testing.assert_array_equal(np.asarray(offsets()), [0, 8, 28])
+
+
+@pytest.mark.slow
+def test_a_whole_update_steps_through_under_disable_jit():
+    """What usage.md's "JAX settings" offers for debugging: 0/1 Adam stepped op by op under
+    ``jax.disable_jit`` through every kind (in the graph) gives the jitted values."""
+    schedule = dict(var_freeze_step=4, var_update_scaler=1, local_step_scaler=1)
+    tx = ozo.zero_one_adam(1e-2, axis_name="i", **schedule)
+    kinds = {ozo.zero_one_schedule(**schedule).kind(k).name for k in range(1, 8)}
+    assert kinds == {"variance", "compressed", "local", "sync"}
+    params = {"w": jnp.linspace(-1.0, 1.0, 24).reshape(4, 6), "b": jnp.ones(5)}
+
+    def run():
+        update = jax.jit(jax.vmap(lambda g, s, p: tx.update(g, s, p), axis_name="i"))
+        p = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), params)
+        s = jax.vmap(tx.init, axis_name="i")(p)
+        for k in range(7):
+            g = jax.tree.map(lambda a, k=k: jnp.cos(a * (k + 1)), p)
+            u, s = update(g, s, p)
+            p = optax.apply_updates(p, u)
+        return p
+
+    jitted = run()
+    with jax.disable_jit():
+        stepped = run()
+    for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("block", [8, 32])

@@ -1399,6 +1399,20 @@ def test_an_explicit_mesh_trains_as_an_auto_one(model):
         run["step"](run["params_w"], bad, batches(1)[0])
 
 
+def test_onebit_adam_on_an_explicit_model_sharded_mesh_trains_as_on_an_auto_one():
+    """1-bit Adam's state reads nothing of the params, so ``dp.init``'s program lost them as
+    inputs, and on an ``Explicit`` (data, model) mesh it then had no devices to place the
+    model shards' state on ("Length of device assignment 1 ...", a trial): it trains there as
+    on the ``Auto`` mesh, to the bit, dispatched through warm-up and compressed steps."""
+    onebit = dict(onebit=True, freeze=4, schedule=ozo.onebit_schedule(4), steps=8)
+    auto = job.train(mesh_of(2), **onebit)
+    run = job.train(job.job_mesh(2, "Explicit"), **onebit)
+    np.testing.assert_array_equal(run["losses"], auto["losses"])
+    for a, b in zip(jax.tree.leaves(run["state"]), jax.tree.leaves(auto["state"]), strict=True):
+        assert a.sharding.shard_shape(a.shape) == b.sharding.shard_shape(b.shape)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_helper_for_another_mesh_works_inside_the_old_meshs_context():
     """An elastic restart written in a ``jax.set_mesh`` codebase builds the new helper while
     the old mesh's context is still open: dp.init failed there with JAX's "the context mesh

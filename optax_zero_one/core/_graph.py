@@ -457,21 +457,24 @@ def per_platform(
 
     primitive = jex.Primitive(name)
     primitive.multiple_results = multiple_results
-    primitive.def_impl(lambda *args, **params: _compiled(primitive, **params)(*args))
+    # Outside a trace (eagerly, under jax.disable_jit, or in ensure_compile_time_eval) the form
+    # of the platform the operands are on runs op by op. (A jit of the primitive, as JAX's own
+    # primitives run eagerly, would call this again under disable_jit: a recursion.)
+    primitive.def_impl(lambda *args, **params: (cpu if _on_cpu(args) else default)(*args, **params))
     primitive.def_abstract_eval(abstract)
     mlir.register_lowering(primitive, lowered_by(cpu), platform="cpu")
     mlir.register_lowering(primitive, lowered_by(default))
     return primitive
 
 
-@functools.lru_cache(maxsize=256)
-def _jitted(primitive: jex.Primitive, params: tuple) -> Callable:
-    return jax.jit(functools.partial(primitive.bind, **dict(params)))
-
-
-def _compiled(primitive: jex.Primitive, **params: Any) -> Callable:
-    """The primitive run outside a trace (eagerly): compiled once per set of parameters."""
-    return _jitted(primitive, tuple(sorted(params.items())))
+def _on_cpu(args: Sequence) -> bool:
+    """Whether arrays ``args`` live on CPU devices (the default backend's if none says)."""
+    for x in args:
+        devices = getattr(x, "devices", None)
+        if callable(devices):
+            with contextlib.suppress(Exception):  # e.g. a deleted array: the default's
+                return all(d.platform == "cpu" for d in devices())
+    return jax.default_backend() == "cpu"
 
 
 _cut_offsets_p = per_platform(

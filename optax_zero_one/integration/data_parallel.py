@@ -502,7 +502,9 @@ class DataParallel:
                 is_leaf=lambda x: isinstance(x, ShardLocalState),
             )
         program = self._on_workers(tx.init, False, None if outs is None else lambda p: outs)
-        return jax.jit(program)(params)  # once a run: not kept (a new tx each)
+        # once a run, not kept (a new tx each); params kept as an input even where the state
+        # does not read them (1-bit Adam's): on an Explicit mesh they place the program there
+        return jax.jit(program, keep_unused=True)(params)
 
     def on_workers(self, fn: Callable[..., Any], out_specs: Any = None) -> Callable[..., Any]:
         """``fn`` on one worker's trees, lifted to the worker layout: every argument and result
