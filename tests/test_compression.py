@@ -207,6 +207,12 @@ def test_segment_sums_trace_one_form_and_lower_each_platforms():
     placed = jax.device_put(jnp.concatenate([x, x[:1]]), jax.NamedSharding(mesh, jax.P("w")))
     own, total = jax.jit(on_workers)(placed)
     assert own.shape == (4, 7) and total.shape == (2, 7)
+    for platforms in (("cuda",), ("tpu",)):  # the scan form, typed as shard_map types it
+        jax.jit(on_workers).trace(placed).lower(lowering_platforms=platforms)
+    weak = jax.ShapeDtypeStruct(x.shape, jnp.float32, weak_type=True)
+    assert not jax.eval_shape(sums, weak).weak_type  # as the forms' results
+    with pytest.raises(TypeError, match="one entry per position of segment_of"):
+        _graph.segment_sums(x[:, :5], segment_of, 7)
 
 
 def test_the_per_platform_forms_run_outside_a_trace():

@@ -315,8 +315,8 @@ def scalars_apart(x: jax.Array) -> list[jax.Array]:
 
 def cut_offsets(starts: np.ndarray) -> list:
     """The per-leaf cuts' offsets ``starts`` (numpy, 1-D), one int32 scalar each, in the form
-    each backend compiles best, chosen at lowering (``lax.platform_dependent``: one form in
-    the program, no conditional).
+    each backend compiles best, chosen at lowering (:func:`per_platform`: one form in the
+    program, no conditional).
 
     On XLA:CPU, constants behind an optimisation barrier taken apart by :func:`scalars_apart`:
     folded constants would make every cut a kernel of its own, and the 100-leaf programs
@@ -357,11 +357,17 @@ def segment_sums(
     The choice is made at lowering, by a primitive of this module with one lowering per
     platform: the program holds one of the two and no conditional, and only the chosen one is
     ever traced. (``lax.platform_dependent`` makes the same choice, but traces both forms, and
-    under ``vmap`` batches both again: on XLA:CPU that was most of what 0/1 Adam's compressed
-    and sync programs took to lower beyond a local step's, ~0.15-0.4 s each at 100 leaves.)
+    under ``vmap`` batches both again: 0/1 Adam's compressed and sync programs lowered in
+    0.39-0.67 s at 100 leaves with both forms traced, 0.24-0.34 s with the CPU form alone,
+    as its local step does; docs/benchmarks/overhead.md, "Reading it".)
     ``how="scatter"`` or ``"scan"`` takes one on any backend (for tests).
     """
     segments = _Segments(segment_of, num_segments)
+    if not jnp.ndim(values) or jnp.shape(values)[-1] != segments.size:
+        raise TypeError(
+            f"segment_sums: the last axis of values {jnp.shape(values)} must have one entry per "
+            f"position of segment_of ({segments.size})"
+        )
     if segments.size == 0:
         return jnp.zeros((*values.shape[:-1], num_segments), values.dtype)
     if how is not None:
@@ -374,7 +380,8 @@ class _Segments:
     (hashed once, from its bytes)."""
 
     def __init__(self, segment_of: np.ndarray, num: int) -> None:
-        self.segment_of = np.asarray(segment_of)
+        self.segment_of = np.array(segment_of, copy=True)  # the caller's array may change
+        self.segment_of.setflags(write=False)
         self.num = int(num)
         self.size = int(self.segment_of.size)
         self._key = (self.num, self.segment_of.dtype.str, self.segment_of.tobytes())
@@ -385,6 +392,9 @@ class _Segments:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Segments) and self._key == other._key
+
+    def __reduce__(self) -> tuple:  # unpickled, hashed again (str hashes are per process)
+        return _Segments, (self.segment_of, self.num)
 
     def __repr__(self) -> str:  # printed in jaxprs
         return f"Segments(positions={self.size}, segments={self.num})"
@@ -416,8 +426,9 @@ def _scan_sums(x: jax.Array, *, segments: _Segments) -> jax.Array:
 
 
 def _segment_sums_abstract(x: Any, *, segments: _Segments) -> Any:
-    # the input's type with the last axis resized: dtype, sharding and shard_map typing kept
-    return x.update(shape=(*x.shape[:-1], segments.num))
+    # the input's type with the last axis resized (dtype and shard_map typing kept; the
+    # library never splits this axis over a mesh), not weak: the forms' results are not
+    return x.update(shape=(*x.shape[:-1], segments.num), weak_type=False)
 
 
 def _segment_sums_batched(args: Sequence, dims: Sequence, *, segments: _Segments) -> tuple:
@@ -543,7 +554,13 @@ def _flag_apart(x: Any) -> Any:
     return jnp.reciprocal(jnp.where(x, 1.0, 2.0).astype(jnp.float32)) > 0.75
 
 
-_computed_once_p = per_platform("ozo_computed_once", _flag_apart, lambda x: x, lambda x: x)
+def _flag_type(x: Any) -> Any:
+    if x.dtype != np.bool_:  # a scalar, or one per batched run under vmap
+        raise TypeError(f"computed_once takes a bool, got {x.str_short()}")
+    return x
+
+
+_computed_once_p = per_platform("ozo_computed_once", _flag_apart, lambda x: x, _flag_type)
 batching.primitive_batchers[_computed_once_p] = lambda args, dims: (
     _computed_once_p.bind(*args),
     dims[0],
