@@ -354,13 +354,10 @@ def segment_sums(
     faster); elsewhere a segmented prefix sum (``lax.associative_scan``, a fixed tree of adds,
     resetting at each segment's start) read at each segment's end.
 
-    The choice is made at lowering, by a primitive of this module with one lowering per
-    platform: the program holds one of the two and no conditional, and only the chosen one is
-    ever traced. (``lax.platform_dependent`` makes the same choice, but traces both forms, and
-    under ``vmap`` batches both again: 0/1 Adam's compressed and sync programs lowered in
-    0.39-0.67 s at 100 leaves with both forms traced, 0.24-0.34 s with the CPU form alone,
-    as its local step does; docs/benchmarks/overhead.md, "Reading it".)
-    ``how="scatter"`` or ``"scan"`` takes one on any backend (for tests).
+    The choice is made at lowering (:func:`per_platform`), so only the chosen form is traced:
+    0/1 Adam's compressed and sync programs lowered in 0.39-0.67 s at 100 leaves when both
+    forms were traced, 0.24-0.34 s with the CPU form alone (docs/benchmarks/overhead.md,
+    "Reading it"). ``how="scatter"`` or ``"scan"`` takes one on any backend (for tests).
     """
     segments = _Segments(segment_of, num_segments)
     if not jnp.ndim(values) or jnp.shape(values)[-1] != segments.size:
