@@ -629,3 +629,50 @@ def test_momentum_average_keeps_the_trace_in_the_params_dtype(dtype):
             y, state = run(k, y, state, [jnp.full((n, 4), 0.5 * k, dtype)])
             assert state.inner_state[0].trace[0].dtype == dtype
         assert y[0].dtype == dtype and np.isfinite(np.asarray(y[0], np.float32)).all()
+
+
+class _OwnRule:
+    """A sync rule written to the four required methods only (ParamsAverage's behaviour)."""
+
+    def learning_rate_at(self, count):
+        return 0.0
+
+    def weight(self, inner_state):
+        return None
+
+    def after_sync(self, inner_state, mean, lr_sum, ok):
+        return inner_state
+
+    def errors(self, inner_state, start_step):
+        return None
+
+
+class _LendingRule(_OwnRule):
+    """Lends the inner SGD's momentum as error buffers, with no way to store them back."""
+
+    def errors(self, inner_state, start_step):
+        return inner_state[0].trace
+
+
+def test_a_rule_of_ones_own_needs_only_the_documented_methods():
+    """A code review: local_step_sync checked four methods of a rule and then read
+    inner_frozen_after_start (and with_errors) from it, so a rule written to the checked
+    methods passed construction and failed with AttributeError at its first local step. It now
+    runs as ParamsAverage does, bit for bit; a rule that lends buffers without with_errors is
+    refused at init, by name."""
+    n, policy = 2, ozo.SyncEvery(2)
+    params, targets, curvature, noise = problem(n, 6)
+    x0, runs = layout([params] * n), []
+    for rule in (_OwnRule(), ozo.ParamsAverage()):
+        tx = ozo.local_step_sync(optax.sgd(0.05), policy, AXIS, rule=rule)
+        run, x = stepper(tx, n, ozo.local_step_schedule(policy)), x0
+        state = mapped(tx.init, "vmap", n)(x)
+        for k in range(1, 7):
+            g = layout(grads_at(worker_views(x), targets, curvature, noise[k - 1]))
+            x, state = run(k, x, state, g)
+        runs.append(x)
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    tx = ozo.local_step_sync(optax.sgd(0.05, momentum=0.9), policy, AXIS, rule=_LendingRule())
+    with pytest.raises(ValueError, match="lends error buffers .* but has no with_errors"):
+        mapped(tx.init, "vmap", n)(x0)

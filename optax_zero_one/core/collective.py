@@ -458,16 +458,17 @@ def onebit_mean_over(comm: Comm) -> optax.GradientTransformationExtraArgs:
         return _graph.worker_state(init_state(params, comm), comm.axes)
 
     def update_fn(updates: Any, state: OnebitMeanState, params: Any, **extra_args: Any) -> Any:
-        del params, extra_args
+        del params
         workers = comm.update_workers(updates)
         _checks.check_float_leaves(updates, "the compressed mean's input")
         stored = flat.find_layout(state)
         if stored is not None and not isinstance(updates, FlatTree):
             stored.check_tree(updates, "updates", "the compression state")
         values, in_form = flat.as_flat(updates, workers)
-        mean, state, _ = masked_compressed_mean(
+        mean, new_state, _ = masked_compressed_mean(
             values, state, comm.axes, comm.collective, comm.mask
         )
-        return in_form(mean), state
+        ok = extra_args.get(_graph.STEP_OK)  # a wrapper refused this step: buffers kept
+        return in_form(mean), new_state if ok is None else _graph.keep_if(ok, new_state, state)
 
     return _checks.transformation(init_fn, update_fn, OnebitMeanState, "onebit_mean")

@@ -305,6 +305,9 @@ def local_step_sync(
         one way): the first step after it takes each worker's params as its anchor.
       rule: what a sync sends and resets (default :class:`ParamsAverage`; 0/1 Adam uses
         :class:`~optax_zero_one.FrozenAdamSync`, SGD with momentum :class:`MomentumAverage`).
+        A rule of one's own has ``ParamsAverage``'s methods: ``learning_rate_at``,
+        ``weight``, ``after_sync``, ``errors``, and ``with_errors`` if ``errors`` lends
+        buffers; ``unweighted`` and ``inner_frozen_after_start`` are optional.
       num_workers: needed only when ``init`` runs outside the mapped context.
       collective: how a sync averages: ``"two_phase"`` or ``"psum"`` (the 1-bit compressed
         mean's backends) or ``"float"`` (an exact float32 mean: one all-reduce, no error
@@ -379,6 +382,13 @@ def local_step_sync_over(
         comm.init_workers(params)
         inner_state = inner.init(params)
         borrowed = rule.errors(inner_state, start_step)
+        if borrowed is not None and not callable(getattr(rule, "with_errors", None)):
+            raise ValueError(
+                f"rule {rule!r} lends error buffers (its errors() returned some) but has no "
+                "with_errors(inner_state, errors) to store a sync's new ones back: add it "
+                "(ozo.FrozenAdamSync shows one), or return None from errors() to let "
+                "local_step_sync keep its own."
+            )
         own = (
             optax.EmptyState()
             if borrowed is not None or exact
@@ -441,7 +451,7 @@ def local_step_sync_over(
         # After start_step this worker's gradient is its own: dropped if it is not finite.
         drop = jnp.logical_not(_graph.all_finite(updates))
         grads = _graph.zero_unless(jnp.logical_not(drop), updates)
-        if rule.inner_frozen_after_start:  # the library's own inner transform
+        if getattr(rule, "inner_frozen_after_start", False):  # the library's own inner transform
             extra = {**extra, kinds.INPUTS_FINITE: True}
             if extra.get("step_kind") is None:
                 extra["step_kind"] = kinds.SYNC if branch == SYNC else kinds.LOCAL
@@ -557,8 +567,12 @@ def _checked_params(updates: Any, state: LocalStepSyncState, params: Any) -> Any
 
 
 def _check_rule(rule: Any) -> None:
-    """Raises ``ValueError`` unless ``rule`` is a sync rule object (:class:`ParamsAverage`'s
-    methods), not its class or a name."""
+    """Raises ``ValueError`` unless ``rule`` is a sync rule object, not its class or a name.
+
+    The protocol, :class:`ParamsAverage` being its plain form: ``learning_rate_at``,
+    ``weight``, ``after_sync`` and ``errors`` are required; ``with_errors`` is required of a
+    rule whose ``errors`` lends buffers (checked at ``init``); ``unweighted`` and
+    ``inner_frozen_after_start`` are optional, ``ParamsAverage``'s when absent."""
     methods = ("learning_rate_at", "weight", "after_sync", "errors")
     example = "ozo.ParamsAverage() or ozo.MomentumAverage(learning_rate)"
     _checks.check_protocol("rule", rule, methods, example, "sync rule")
