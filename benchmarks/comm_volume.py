@@ -139,12 +139,12 @@ class Schedule:
 def step_kinds(schedule: Schedule) -> dict[str, np.ndarray]:
     """The kind (index into :data:`KIND_NAMES`) of every step of the run, per optimizer.
 
-    From the library (:func:`optax_zero_one.step_kinds`, which walks the same policy objects
-    the optimizer is built with, and :func:`optax_zero_one.core.kinds.onebit_step_kinds`).
+    From the library: :func:`optax_zero_one.step_kinds` and :func:`optax_zero_one.onebit_schedule`'s
+    ``indices``, which walk the same policy objects the optimizer is built with.
     """
     return {
         ADAM: np.zeros(schedule.steps, np.int8),
-        ONEBIT: ozo.core.kinds.onebit_step_kinds(schedule.onebit_freeze_step, schedule.steps),
+        ONEBIT: ozo.onebit_schedule(schedule.onebit_freeze_step).indices(schedule.steps),
         ZERO_ONE: ozo.step_kinds(
             schedule.variance_policy(), schedule.local_step_policy(), schedule.steps
         ),

@@ -70,7 +70,7 @@ ORDER = ("no communication", "0/1 Adam (phase B)", "1-bit Adam", "AdamW")
 # The kinds each optimizer's first m steps take, from its policies.
 KINDS_OF: dict[str, Callable[[int], np.ndarray]] = {
     "AdamW": lambda m: np.zeros(m, np.int8),
-    "1-bit Adam": lambda m: ozo.core.kinds.onebit_step_kinds(1, m),
+    "1-bit Adam": lambda m: ozo.onebit_schedule(1).indices(m),
     "0/1 Adam (phase B)": lambda m: ozo.step_kinds(*PHASE_B, m),
     "no communication": lambda m: np.zeros(m, np.int8),
     SCHEDULE: lambda m: ozo.step_kinds(*WHOLE, m),

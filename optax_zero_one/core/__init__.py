@@ -15,5 +15,9 @@ axis by name (``axis_name``) and runs under whatever binds it (``jax.shard_map``
   layout and the wrappers (``flatten``, ``skip_not_finite``, weight decay);
 - :mod:`~optax_zero_one.core.policies`, :mod:`~optax_zero_one.core.kinds`: variance and
   local-step policies, and the step kinds they imply;
-- ``_graph``, ``_checks``: private helpers (graph primitives, input checks).
+- :mod:`~optax_zero_one.core.comm`, :mod:`~optax_zero_one.core.diloco`: the validated
+  communication config the compositions pass down, and DiLoCo's compositions;
+- ``_graph``, ``_checks``, ``_cut``, ``_flax_state``: private helpers (graph primitives and
+  the per-platform ones, input checks, the cut of the flat buffer into leaves, Flax's
+  serialization of the flat buffers).
 """

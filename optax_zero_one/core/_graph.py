@@ -275,11 +275,8 @@ def _new_value(y: jax.Array) -> jax.Array:
 def once_for_all_workers(x: Any, axis_name: Any) -> Any:
     """``x``, identical on every worker by construction, taken once for all of them under
     ``jax.vmap`` (a ``pmax`` over the simulated axis, which communicates nothing), so that it is
-    not *batched*: a batched index makes a conditional a select over every branch (and a
-    batched slice offset makes a slice a gather: when ``flatten`` read its offsets from the
-    state through here, a local step's program compiled in 11 s with per-worker offsets and
-    4.3 s with shared ones; it now takes them from the layout, never batched). Elsewhere (one
-    worker, ``shard_map`` and ``pmap`` axes) ``x`` unchanged."""
+    not *batched*: a batched index makes a conditional a select over every branch. Elsewhere
+    (one worker, ``shard_map`` and ``pmap`` axes) ``x`` unchanged."""
     if axis_name is None or worker_axes(axis_name):
         return x
     with contextlib.suppress(NameError):
@@ -958,9 +955,3 @@ def step_counters(state: Any) -> list[tuple[str, Any]]:
         for path, node in found
         if accept(node)
     ]
-
-
-def _nodes_where(state: Any, accept: Callable[[Any], bool]) -> list:
-    """The nodes of ``state`` that ``accept`` takes, outermost first, in tree order (a node
-    taken is not looked into)."""
-    return [node for node in jax.tree.leaves(state, is_leaf=accept) if accept(node)]

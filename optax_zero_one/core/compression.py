@@ -82,8 +82,8 @@ def _rms(blocks: jax.Array, layout: Layout, lengths: np.ndarray) -> jax.Array:
     return jnp.where(in_range, plain, jnp.where(peaks >= _SAFE_HIGH, scaled_down, scaled_up))
 
 
-def leaf_rms(a: jax.Array, layout: Layout, lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """``||a_l||_2 / sqrt(length_l)`` for every leaf ``l``: ``(a, scales)``, scales ``(L,)``.
+def leaf_rms(a: jax.Array, layout: Layout, lengths: np.ndarray) -> jax.Array:
+    """``||a_l||_2 / sqrt(length_l)`` for every leaf ``l``: the scales, ``(L,)``.
 
     Args:
       a: ``(R, C)``, zero in the columns that are not the leaf's (the memory padding).
@@ -91,7 +91,7 @@ def leaf_rms(a: jax.Array, layout: Layout, lengths: np.ndarray) -> tuple[jax.Arr
       lengths: the divisor of each leaf (``P_l`` for a worker's whole leaf, ``c_l`` for a
         server's chunk).
     """
-    return a, _rms(layout.blocks(a), layout, lengths)
+    return _rms(layout.blocks(a), layout, lengths)
 
 
 def _signs_and_error(

@@ -268,11 +268,6 @@ class Layout:
             for start, chunk in zip(self.starts, self.chunks)
         ]
 
-    def leaf_sums(self, values: jax.Array) -> jax.Array:
-        """Per-leaf sums of ``values`` (``(..., C)``, summed over every leading axis): ``(L,)``."""
-        per_block = jnp.sum(self.blocks(values).reshape(-1, self.num_blocks, self.block), (0, 2))
-        return _graph.segment_sums(per_block, self.block_leaf, self.num_leaves)
-
     def per_block(self, per_leaf: jax.Array) -> jax.Array:
         """Per-leaf values ``(..., L)`` as one value per block, ``(..., C / B, 1)``: broadcast
         against a buffer's blocks (:meth:`blocks`)."""

@@ -20,12 +20,6 @@ import numpy as np
 
 from optax_zero_one.core import _checks, _graph, policies
 
-STEP_KINDS = ("variance", "compressed", "local", "sync")
-"""0/1 Adam's step kinds, in the order of the indices :func:`step_kinds` returns."""
-
-ONEBIT_STEP_KINDS = ("warmup", "compressed")
-"""1-bit Adam's step kinds: full-precision warm-up, then compressed momentum."""
-
 
 @dataclasses.dataclass(frozen=True)
 class StepKind:
@@ -64,6 +58,12 @@ ONEBIT_COMPRESSED = StepKind("compressed", phase_a=False)
 
 ZERO_ONE_KINDS = (VARIANCE, COMPRESSED, LOCAL, SYNC)
 ONEBIT_KINDS = (WARMUP, ONEBIT_COMPRESSED)
+
+STEP_KINDS = tuple(kind.name for kind in ZERO_ONE_KINDS)
+"""0/1 Adam's step kinds, in the order of the indices :func:`step_kinds` returns."""
+
+ONEBIT_STEP_KINDS = tuple(kind.name for kind in ONEBIT_KINDS)
+"""1-bit Adam's step kinds: full-precision warm-up, then compressed momentum."""
 
 # The extra argument with which local_step_sync tells the library's own inner transform that the
 # gradients it passes are finite (it zeroes a worker's own non-finite gradient): no second check.
@@ -358,11 +358,6 @@ def step_kinds(
     return StepSchedule(variance_policy, local_step_policy).indices(num_steps)
 
 
-def onebit_step_kinds(freeze_step: int, num_steps: int) -> np.ndarray:
-    """1-bit Adam's kind (an index into :data:`ONEBIT_STEP_KINDS`) of each step."""
-    return (np.arange(1, num_steps + 1) > freeze_step).astype(np.int8)
-
-
 def step_count(state: Any) -> int:
     """The number of updates an optimizer state has taken, read on the host (one device read).
 
@@ -380,8 +375,9 @@ def _count(state: Any, who: str) -> int:
     if counter is None:
         _graph.check_not_nnx_state(state, who)
         raise ValueError(
-            "This state holds no step counter of optax_zero_one's transforms (a state made by "
-            "zero_one_adam, onebit_adam or one of their blocks is needed)."
+            f"{who}: this state holds no step counter of optax_zero_one's transforms; pass the "
+            "optimizer state that init of zero_one_adam, onebit_adam or one of their blocks "
+            "made (the whole state, or the part of it that holds theirs)."
         )
     return _graph.check_counters_agree(counter, who)
 

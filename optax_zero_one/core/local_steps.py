@@ -227,7 +227,8 @@ class MomentumAverage(ParamsAverage):
 
     def errors(self, inner_state: Any, start_step: int) -> Any:
         """``None`` (the wrapper keeps its own error buffers), once the inner state is seen to
-        hold the one momentum this rule resets (called at ``init``)."""
+        hold the one momentum this rule resets (called at ``init`` and again at each traced
+        update, where the check costs nothing on the device)."""
         found = len(_graph.nodes_of(inner_state, optax.TraceState))
         if found != 1:
             raise ValueError(

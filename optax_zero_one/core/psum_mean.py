@@ -269,7 +269,7 @@ def compressed_mean(
     check_num_workers(num_workers)
     element = layout.is_element()
     a = jnp.where(element, x + worker_error, 0)
-    a, scales = compression.leaf_rms(a, layout, layout.sizes)  # the error uses the shared one
+    scales = compression.leaf_rms(a, layout, layout.sizes)  # the error uses the shared one
     signs = (a >= 0) & element
     words = pack_signs(signs.reshape(-1), num_workers)
     payload = jnp.concatenate([words, encode_scales(scales).reshape(-1)])
