@@ -441,10 +441,22 @@ ZERO_ONE_NONSENSE = [
     (dict(var_freeze_step=5.0), r"var_freeze_step must be an integer >= 1, got 5.0"),
     (dict(var_freeze_step=0), r"frozen after step 0, before any step has measured it"),
     (dict(var_freeze_step=10**12), r"var_freeze_step=1000000000000 does not fit .* int32"),
-    (dict(var_update_scaler=0), r"var_update_scaler must be an integer >= 1"),
-    (dict(local_step_scaler=0), r"local_step_scaler must be an integer >= 1"),
-    (dict(local_step_clipper=0), r"local_step_clipper must be an integer >= 1"),
-    (dict(local_step_clipper=True), r"local_step_clipper must be an integer >= 1"),
+    (
+        dict(var_update_scaler=0),
+        r"var_update_scaler \(VarianceDoubling.update_scaler\) must be an integer",
+    ),
+    (
+        dict(local_step_scaler=0),
+        r"local_step_scaler \(LocalStepDoubling.scaler\) must be an integer",
+    ),
+    (
+        dict(local_step_clipper=0),
+        r"local_step_clipper \(LocalStepDoubling.clipper\) must be an integer",
+    ),
+    (
+        dict(local_step_clipper=True),
+        r"local_step_clipper \(LocalStepDoubling.clipper\) must be an integer",
+    ),
 ]
 
 
@@ -490,13 +502,18 @@ def test_policies_and_collective_out_of_range():
         ozo.zero_one_schedule(var_freeze_step=0)
     with pytest.raises(ValueError, match="freeze_step=0: The variance is frozen after step 0"):
         ozo.onebit_schedule(0)
-    with pytest.raises(ValueError, match="var_freeze_step must be an integer >= 0"):
+    with pytest.raises(
+        ValueError, match=r"var_freeze_step \(VarianceDoubling.freeze_step\) must be an integer"
+    ):
         ozo.VarianceDoubling(freeze_step=-5)
     for schedule in (lambda: ozo.diloco_schedule(2, start_step=-1),
                      lambda: ozo.local_step_schedule(ozo.SyncEvery(2), start_step=-1)):  # fmt: skip
         with pytest.raises(ValueError, match="start_step must be an integer >= 0, got -1"):
             schedule()
-    with pytest.raises(ValueError, match="local_step_clipper must be an integer >= 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"local_step_clipper \(LocalStepDoubling.clipper\) must be an integer >= 1",
+    ):
         ozo.LocalStepDoubling(clipper=0)
     with pytest.raises(ValueError, match="collective must be one of"):
         ozo.onebit_mean(AXIS, collective="ring")

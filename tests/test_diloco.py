@@ -445,7 +445,7 @@ def test_bad_arguments_are_refused_at_construction():
         ozo.diloco(optax.adamw(1e-3), None, 50, AXIS)
     with pytest.raises(TypeError, match="outer must be an optax.GradientTransformation"):
         ozo.local_step_sync(optax.sgd(0.1), ozo.SyncEvery(5), AXIS, outer=0.7)
-    with pytest.raises(ValueError, match="sync_every must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"sync_every \(SyncEvery.every\) must be an integer >= 1"):
         ozo.diloco(optax.adamw(1e-3), optax.sgd(1.0), 0, AXIS)
     with pytest.raises(ValueError, match=r"collective must be one of .*'float'"):
         ozo.diloco(optax.adamw(1e-3), optax.sgd(1.0), 50, AXIS, collective="bf16")

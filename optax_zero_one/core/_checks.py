@@ -70,26 +70,30 @@ def as_index(name: str, value: Any, what: str) -> int:
         raise ValueError(f"{name} must be an int ({what}), got {value!r}.") from None
 
 
-def check_int(name: str, value: Any, minimum: int) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``value`` is an integer ``>= minimum``.
+def check_int(name: str, value: Any, minimum: int, field: str | None = None) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``value`` is an integer ``>= minimum``;
+    ``field``: where the value is held when that is not ``name`` (a policy's field that the
+    optimizers take as ``name``), named beside it.
 
     Integer arrays are accepted (``optax.inject_hyperparams`` turns numeric arguments into
     arrays, and traced ones inside ``update``); a concrete one is checked, a traced one cannot
     be, and was checked when ``init`` built the state from concrete values.
     """
+    shown = name if field is None else f"{name} ({field})"
     if isinstance(value, jax.Array | np.ndarray | np.generic) and not isinstance(value, bool):
         if not jnp.issubdtype(jnp.result_type(value), jnp.integer) or jnp.ndim(value) != 0:
-            raise ArgumentError(name, f"{name} must be an integer >= {minimum}, got {value!r}.")
+            raise ArgumentError(name, f"{shown} must be an integer >= {minimum}, got {value!r}.")
         if isinstance(value, jax.core.Tracer):
             return
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ArgumentError(name, f"{name} must be an integer >= {minimum}, got {value!r}.")
+        raise ArgumentError(name, f"{shown} must be an integer >= {minimum}, got {value!r}.")
     if value > INT32_MAX:
         never = "a step beyond" if name.endswith("step") else "a value larger than"
+        held = "" if field is None else f" ({field})"
         raise ArgumentError(
             name,
-            f"{name}={value} does not fit the optimizer's int32 step counters (at most "
+            f"{name}={value}{held} does not fit the optimizer's int32 step counters (at most "
             f"{INT32_MAX}). For 'never', pass {never} the run's length, e.g. 10**9.",
         )
 

@@ -827,6 +827,13 @@ def walked_states(state: Any) -> list[Any]:
     return [n for n in state_nodes(state) if callable(getattr(n, "walked", None))]
 
 
+def synchronizing_states(state: Any) -> list[Any]:
+    """The states in ``state`` that keep a last synchronised point of the params (an
+    ``at_last_sync(params)`` method: :class:`~optax_zero_one.LocalStepSyncState`), outermost
+    first."""
+    return [n for n in state_nodes(state) if callable(getattr(n, "at_last_sync", None))]
+
+
 def _hooked(state: Any, hook: str) -> list[tuple[type, Any]]:
     """``(state class, the field the class's ``hook`` names)`` of every state in ``state`` that
     declares ``hook``, depth first in tree order (outermost first)."""

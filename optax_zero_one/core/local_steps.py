@@ -88,6 +88,29 @@ class LocalStepSyncState(NamedTuple):
         carries another history, which the arguments given now would not replay."""
         return (("local_step_policy", walked.local), ("anchored", walked.begun))
 
+    def at_last_sync(self, params: Any) -> tuple[Any, set[str]]:
+        """``params`` with the leaves this state synchronises taken from its anchor once local
+        steps have begun (every leaf, or, where the optimizer updates part of the tree,
+        ``optax.masked`` or ``optax.multi_transform``, the leaves at the anchor's key paths), and
+        those leaves' key paths (:func:`~optax_zero_one.synchronized_params`' hook)."""
+        anchor = self.anchor.to_tree() if isinstance(self.anchor, FlatTree) else self.anchor
+        anchored = jnp.asarray(self.anchored)
+        found, treedef = jax.tree_util.tree_flatten_with_path(params)
+        anchors = jax.tree_util.tree_leaves_with_path(anchor)
+        where = _matched(found, [flat._leaf_name(path) for path, _ in anchors])
+        leaves = [x for _, x in found]
+        for i, (_, a) in zip(where, anchors, strict=True):
+            x, a = jnp.asarray(leaves[i]), jnp.asarray(a)
+            if x.shape != a.shape:
+                raise ValueError(
+                    f"params leaf {_checks.leaf_name(found[i][0])} has shape {x.shape}, but the "
+                    f"optimizer state's last synchronised point has {a.shape}: pass the params "
+                    "this state was built for (both one worker's, or both in the worker layout)."
+                )
+            flag = anchored.reshape(anchored.shape + (1,) * (a.ndim - anchored.ndim))
+            leaves[i] = jnp.where(flag, a.astype(x.dtype), x)
+        return jax.tree.unflatten(treedef, leaves), {flat._leaf_name(found[i][0]) for i in where}
+
     def moved(self, every: Any, fresh: LocalStepSyncState, move: Any) -> LocalStepSyncState:
         """To another worker count (:func:`~optax_zero_one.reset_compression`): every new
         worker starts at the last synchronised point with an empty interval; counters carry
@@ -120,21 +143,27 @@ class LocalStepSyncState(NamedTuple):
 
 def _params_at(params: Any, names: list[str]) -> list:
     """The leaves of ``params`` that an anchor of leaves ``names`` (key paths) holds, in its
-    order: every leaf where the counts agree (the optimizer saw the whole tree, perhaps
-    wrapped otherwise), else by key path (``optax.multi_transform``, ``optax.masked``: the
-    anchor holds a part, and the first leaves of the whole tree filled it)."""
+    order (:func:`_matched`)."""
     found = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [found[i][1] for i in _matched(found, names)]
+
+
+def _matched(found: list, names: list[str]) -> list[int]:
+    """For each leaf ``names`` of an anchor (key paths), the index of the params leaf it holds
+    among ``found`` (``(path, leaf)`` pairs): every leaf in order where the counts agree (the
+    optimizer saw the whole tree, perhaps wrapped otherwise), else by key path
+    (``optax.multi_transform``, ``optax.masked``: the anchor holds a part)."""
     if len(found) == len(names):
-        return [x for _, x in found]
-    by_name = {flat._leaf_name(path): x for path, x in found}
-    missing = [name for name in names if name not in by_name]
+        return list(range(len(names)))
+    index = {flat._leaf_name(path): i for i, (path, _) in enumerate(found)}
+    missing = [name for name in names if name not in index]
     if missing:
         raise ValueError(
             f"the optimizer state's last synchronised point holds leaves {missing[:3]} that "
             "params has not: pass the params this optimizer updates (the whole tree given "
             "to update)."
         )
-    return [by_name[name] for name in names]
+    return [index[name] for name in names]
 
 
 # What the wrapper does at a step: pass through (before start_step), a local step, a sync.

@@ -141,8 +141,10 @@ class VarianceDoubling(_IntervalDoubling):
     update_scaler: int = 16
 
     def __post_init__(self) -> None:
-        _checks.check_int("var_freeze_step", self.freeze_step, 0)
-        _checks.check_int("var_update_scaler", self.update_scaler, 1)
+        _checks.check_int("var_freeze_step", self.freeze_step, 0, "VarianceDoubling.freeze_step")
+        _checks.check_int(
+            "var_update_scaler", self.update_scaler, 1, "VarianceDoubling.update_scaler"
+        )
 
     def is_update_step(self, state: IntervalState, step: Any) -> Any:
         """Whether step ``k`` (``<= freeze_step``) updates the variance."""
@@ -190,8 +192,8 @@ class LocalStepDoubling(_IntervalDoubling):
     clipper: int = 16
 
     def __post_init__(self) -> None:
-        _checks.check_int("local_step_scaler", self.scaler, 1)
-        _checks.check_int("local_step_clipper", self.clipper, 1)
+        _checks.check_int("local_step_scaler", self.scaler, 1, "LocalStepDoubling.scaler")
+        _checks.check_int("local_step_clipper", self.clipper, 1, "LocalStepDoubling.clipper")
 
     def is_sync_step(self, state: IntervalState, step: Any) -> Any:
         """Whether step ``k`` (in phase B) ends a local interval with a sync."""
@@ -249,7 +251,7 @@ class SyncEvery(_NoCounters):
     every: int = 50
 
     def __post_init__(self) -> None:
-        _checks.check_int("sync_every", self.every, 1)
+        _checks.check_int("sync_every", self.every, 1, "SyncEvery.every")
 
     def is_sync_step(self, state: tuple, step: Any) -> Any:
         """Whether step ``k`` is a multiple of ``every``."""

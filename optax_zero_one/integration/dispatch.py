@@ -216,7 +216,7 @@ def _check_one_count(state: Any) -> None:
     found = _graph.step_counters(state)
     if len(found) < 2:
         return
-    counts = [(path, int(np.asarray(_first_shard(c)).reshape(-1)[0])) for path, c in found]
+    counts = [(path, int(_graph.first_value(c))) for path, c in found]
     if len({c for _, c in counts}) == 1:
         return
     listed = ", ".join(f"{path or 'the state'}: {c}" for path, c in counts)

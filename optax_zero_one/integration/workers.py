@@ -18,8 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_zero_one.core import _checks, _graph
-from optax_zero_one.core.flat import FlatTree
-from optax_zero_one.core.local_steps import LocalStepSyncState
 from optax_zero_one.integration.distributed import _addressable_rows
 
 
@@ -173,8 +171,8 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
             "opt_state comes from DataParallel.optimizer (one state per model shard): use "
             "dp.synchronized_params(params, opt_state) instead."
         )
-    found = _graph.nodes_of(opt_state, LocalStepSyncState)
-    if not found and _graph.nodes_of(params, LocalStepSyncState):
+    found = _graph.synchronizing_states(opt_state)
+    if not found and _graph.synchronizing_states(params):
         raise ValueError(
             "synchronized_params got an optimizer state as params: the arguments are "
             "(params, opt_state), in that order."
@@ -184,50 +182,11 @@ def synchronized_params(params: Any, opt_state: Any) -> Any:
         return params
     covered: set[str] = set()
     for state in found:  # several: e.g. optax.multi_transform of 0/1 Adam on two partitions
-        params, paths = _at_anchor(params, state)
+        params, paths = state.at_last_sync(params)
         if covered & paths:
             raise ValueError(
-                "opt_state holds more than one LocalStepSyncState over the same params; pass "
-                "the one to use."
+                f"opt_state holds more than one {type(state).__name__} over the same params; "
+                "pass the one to use."
             )
         covered |= paths
     return params
-
-
-def _at_anchor(params: Any, state: LocalStepSyncState) -> tuple[Any, set[str]]:
-    """``params`` with the leaves ``state`` synchronises taken from its anchor once anchored
-    (every leaf, or, where the optimizer updates part of the tree: ``optax.masked``,
-    ``optax.multi_transform``, the leaves at the anchor's key paths), and those leaves' paths."""
-    anchor = state.anchor
-    if isinstance(anchor, FlatTree):
-        anchor = anchor.to_tree()
-    anchored = jnp.asarray(state.anchored)
-
-    def pick(x: Any, a: Any, path: str) -> Any:
-        x, a = jnp.asarray(x), jnp.asarray(a)
-        if x.shape != a.shape:
-            raise ValueError(
-                f"params leaf {path} has shape {x.shape}, but the optimizer state's last "
-                f"synchronised point has {a.shape}: pass the params this state was built for "
-                "(both one worker's, or both in the worker layout)."
-            )
-        flag = anchored.reshape(anchored.shape + (1,) * (a.ndim - anchored.ndim))
-        return jnp.where(flag, a.astype(x.dtype), x)
-
-    key = _checks.leaf_name  # also the matching key: "<root>" for a bare array
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [key(path) for path, _ in flat]
-    anchors = jax.tree_util.tree_leaves_with_path(anchor)
-    if len(anchors) == len(flat):  # the whole tree (wrapper nodes may differ)
-        pairs = zip(paths, flat, anchors, strict=True)
-        picked = [pick(x, a, p) for p, (_, x), (_, a) in pairs]
-        return jax.tree.unflatten(treedef, picked), set(paths)
-    at = {key(path): a for path, a in anchors}
-    unknown = sorted(set(at) - set(paths))
-    if unknown:
-        raise ValueError(
-            f"opt_state's last synchronised point holds leaves {unknown[:3]} that params has "
-            "not: pass the params this optimizer updates (the whole tree given to update)."
-        )
-    picked = [pick(x, at[p], p) if p in at else x for p, (_, x) in zip(paths, flat, strict=True)]
-    return jax.tree.unflatten(treedef, picked), set(at)
