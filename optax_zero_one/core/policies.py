@@ -188,7 +188,7 @@ class LocalStepDoubling(_IntervalDoubling):
       Lu et al., 0/1 Adam, arXiv:2202.06009 (Algorithm 1, the local-step schedule).
     """
 
-    scaler: int = 32_678
+    scaler: int = 32_678  # sic: DeepSpeed's default (not 2**15 = 32,768)
     clipper: int = 16
 
     def __post_init__(self) -> None:
