@@ -3,6 +3,7 @@ hint is never applied; the host-side dispatch follows the schedule, survives ski
 restores, and refuses a schedule that is not the optimizer's; optax's contracts on the state."""
 
 import functools
+import threading
 import warnings
 
 import jax
@@ -671,6 +672,86 @@ def test_precompile_in_background_while_the_run_goes_on():
         p, s = good(p, s, grads_at(k))
     with pytest.raises(Exception):  # noqa: B017 (JAX's own shape error)
         done.result()
+
+
+def test_a_background_precompile_lowers_under_the_callers_jax_settings_and_stops_at_exit():
+    """A trial of threads: the background precompile lowered on a fresh thread, which does not
+    see the caller's `with jax...` settings (JAX keeps them per thread): every kind lowered at
+    the default matmul precision, and a step that rank promotion "raise" refuses ran. Its
+    thread was a daemon, which Python ends by force at exit, inside JAX's lowering (the process
+    aborted in 3 of ~30 scripts that ended then); it is not one now, and stops after the kind
+    it lowers once the interpreter exits."""
+    tx = zero_one()
+
+    def compile_kind(kind):
+        def step(p, s, g):
+            p, s = _step(tx, p, s, g, kind)
+            return jax.tree.map(lambda x: x + jnp.zeros(x.shape[-1:]), p), s  # ranks promoted
+
+        return jax.jit(jax.vmap(step, axis_name=AXIS))
+
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    for start in ("precompile", "precompile_in_background"):
+        run = ozo.dispatch_by_kind(compile_kind, SCHEDULE)
+        with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="broadcast"):
+            done = getattr(run, start)(params, state, grads_at(1))
+            if start == "precompile_in_background":
+                assert not [t for t in threading.enumerate() if t.name == "precompile"][0].daemon
+                done.result()
+    from optax_zero_one.integration import dispatch
+
+    run = ozo.dispatch_by_kind(compile_kind, SCHEDULE)
+    dispatch._EXITING.set()
+    try:  # what the interpreter's exit sets: nothing more is lowered, no step waits for it
+        assert run.precompile_in_background(params, state, grads_at(1)).result() == {}
+    finally:
+        dispatch._EXITING.clear()
+    assert run._waiting == {} and run.programs == {}
+    run(params, state, grads_at(1))  # compiles its kind itself
+
+
+def test_precompile_waits_for_a_background_precompile_and_one_dispatcher_takes_one_thread():
+    """A trial of threads: precompile right after precompile_in_background returned {} at once,
+    before anything was compiled (and raised nothing where the background compile failed); one
+    dispatcher stepped by two threads at once sent each thread's state the other's kinds, and
+    one run refused most of its steps without an error."""
+    tx = zero_one()
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(jax.vmap(functools.partial(_step, tx, kind=kind), axis_name=AXIS)),
+        SCHEDULE,
+    )
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    done = run.precompile_in_background(params, state, grads_at(1))
+    run.precompile(params, state, grads_at(1))
+    assert sorted(run.programs) == sorted(SCHEDULE.names) and run._waiting == {}
+    assert sorted(done.result()) == sorted(SCHEDULE.names)
+
+    inside, release = threading.Event(), threading.Event()
+
+    def compile_kind(kind):
+        program = jax.jit(jax.vmap(functools.partial(_step, tx, kind=kind), axis_name=AXIS))
+
+        def held(*args):
+            inside.set()
+            release.wait(30)
+            return program(*args)
+
+        return held
+
+    shared = ozo.dispatch_by_kind(compile_kind, SCHEDULE)
+    other = threading.Thread(target=shared, args=(params, state, grads_at(1)))
+    other.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(RuntimeError, match="running a step on another thread"):
+            shared(params, state, grads_at(1))
+    finally:
+        release.set()
+        other.join()
+    p, s = shared(*jax.tree.map(jnp.copy, (params, state)), grads_at(1))  # free again
+    assert ozo.step_count(s) == 1
 
 
 def test_precompile_takes_pmap_programs():

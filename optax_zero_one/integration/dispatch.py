@@ -349,6 +349,39 @@ def _follow(tree: Any, steps: list[Callable[[Any], Any]]) -> Any:
     return tree
 
 
+_EXITING = threading.Event()
+"""Set when the interpreter starts to exit, before it waits for the threads that are not
+daemons: a background precompile then stops after the kind it is lowering."""
+_register_atexit = getattr(threading, "_register_atexit", None)  # CPython's, as concurrent.futures'
+if _register_atexit is not None:
+    _register_atexit(_EXITING.set)
+
+
+def _thread_config() -> list[tuple[Any, Any]]:
+    """The JAX settings this thread holds in a context (``with jax.default_matmul_precision(
+    "highest")``, ``jax.numpy_rank_promotion("raise")``, ``jax.set_mesh``), as ``(setting,
+    value)``: JAX keeps them per thread, so a program lowered on another thread would not see
+    them (a trial: a background precompile lowered every kind at the default precision)."""
+    from jax._src import config as jax_config  # JAX has no public reader of a thread's own
+
+    unset = jax_config.config_ext.unset
+    return [
+        (state, state.get_local())
+        for state in jax_config.config_states.values()
+        if state.get_local() is not unset
+    ]
+
+
+def _enter_thread_config(config: list[tuple[Any, Any]]) -> None:
+    """Sets ``config`` (:func:`_thread_config` of another thread) on this thread, as the
+    settings' own context managers do on entry (this thread ends with the work it does)."""
+    for state, value in config:
+        state.set_local(value)
+        hook = getattr(state, "_update_thread_local_hook", None)
+        if hook is not None:
+            hook(value)
+
+
 def _first_shard(x: Any) -> Any:
     shards = getattr(x, "addressable_shards", None)
     return shards[0].data if shards else x
@@ -423,6 +456,8 @@ class KindDispatcher:
         self._layout: tuple[Any, list[int], list[type], list | None] | None = None  # _probe
         self._probed: set[str] = set()  # the kinds whose program's output _probe has flattened
         self._lock = threading.Lock()  # installing programs (precompile_in_background)
+        self._entry = threading.Lock()  # taking a call: one thread at a time (_caller)
+        self._caller: int | None = None
         self._waiting: dict[str, concurrent.futures.Future] = {}  # kinds compiling in background
         self.step: int | None = None
         self.skipped = 0
@@ -496,6 +531,10 @@ class KindDispatcher:
         Returns:
           Seconds spent on each kind compiled now (lowering and compiling; they overlap).
         """
+        with self._lock:
+            compiling = list(self._waiting.values())
+        for future in compiling:  # a background precompile's kinds: done, or failed and due here
+            future.result()
         return self._precompile(self._ahead_of_time(args, kinds), args, max_workers)
 
     def precompile_in_background(
@@ -518,9 +557,11 @@ class KindDispatcher:
         with self._lock:
             self._waiting.update(waiting)
         done: concurrent.futures.Future = concurrent.futures.Future()
+        config = _thread_config()  # `with jax.default_matmul_precision(...)` and the like
 
         def run() -> None:
             try:
+                _enter_thread_config(config)
                 done.set_result(self._precompile(programs, shapes, max_workers, waiting))
             except BaseException as err:
                 # a step waiting for a kind not compiled compiles it itself, and raises its own
@@ -533,7 +574,10 @@ class KindDispatcher:
                             future.set_result(None)
                 done.set_exception(err)
 
-        threading.Thread(target=run, name="precompile", daemon=True).start()
+        # not a daemon: Python ends a daemon thread inside JAX's lowering at exit by force, which
+        # aborted the process (a trial: 3 of ~30 scripts that ended while it lowered); this one
+        # stops after the kind it is lowering when the interpreter exits (_EXITING)
+        threading.Thread(target=run, name="precompile").start()
         return done
 
     def memory_analysis(
@@ -649,13 +693,39 @@ class KindDispatcher:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = []
             for name, program in programs.items():
+                if waiting is not None and _EXITING.is_set():  # the interpreter is exiting
+                    with self._lock:
+                        for left in programs.keys() - {n for n, _ in futures}:
+                            self._waiting.pop(left, None)
+                            waiting[left].set_result(None)
+                    break
                 started = time.perf_counter()
-                futures.append(pool.submit(compile_one, name, program.lower(*args), started))
-            for future in futures:
+                futures.append(
+                    (name, pool.submit(compile_one, name, program.lower(*args), started))
+                )
+            for _, future in futures:
                 future.result()
         return seconds
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        with self._entry:
+            if self._caller not in (None, me):
+                raise RuntimeError(
+                    "This dispatcher is running a step on another thread. A dispatcher keeps "
+                    "one run's step number on the host, so two threads stepping through it at "
+                    "once send each other's states the wrong kinds (a trial: one thread's run "
+                    "refused 30 of its 40 steps, silently). Give each thread its own: "
+                    "dp.jit(step, schedule=...) or ozo.dispatch_by_kind(...) again."
+                )
+            outermost, self._caller = self._caller is None, me
+        try:
+            return self._call(*args, **kwargs)
+        finally:
+            if outermost:
+                self._caller = None
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             called = "step_kind=" if "step_kind" in kwargs else f"{', '.join(kwargs)}="
             raise TypeError(
