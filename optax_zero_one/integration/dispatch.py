@@ -390,6 +390,23 @@ def _first_shard(x: Any) -> Any:
 _JITTED = type(jax.jit(lambda: None))  # what jax.jit returns (a jitted step, not a factory)
 
 
+def _one_thread(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of a :class:`KindDispatcher`, run while no other thread is inside one of the
+    dispatcher's methods that read or move its host-side step (it waits its turn). The
+    dispatcher keeps one run's step number: two threads moving it at once sent each other's
+    states the wrong kinds (a trial: one thread's run refused 30 of its 40 steps, silently;
+    ``settle`` from a checkpoint thread stalled a run). Taking turns, each call finds the state
+    it is given as a call from one thread would (a state other than the last one returned is
+    read afresh). The same thread may nest them."""
+
+    @functools.wraps(method)
+    def wrapped(self: KindDispatcher, *args: Any, **kwargs: Any) -> Any:
+        with self._entry:
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
 class KindDispatcher:
     """A step function that runs, at each call, the program compiled for the step's kind.
 
@@ -456,8 +473,7 @@ class KindDispatcher:
         self._layout: tuple[Any, list[int], list[type], list | None] | None = None  # _probe
         self._probed: set[str] = set()  # the kinds whose program's output _probe has flattened
         self._lock = threading.Lock()  # installing programs (precompile_in_background)
-        self._entry = threading.Lock()  # taking a call: one thread at a time (_caller)
-        self._caller: int | None = None
+        self._entry = threading.RLock()  # one thread at a time in a call (_one_thread)
         self._waiting: dict[str, concurrent.futures.Future] = {}  # kinds compiling in background
         self.step: int | None = None
         self.skipped = 0
@@ -472,6 +488,7 @@ class KindDispatcher:
         self._returned: Any = None  # the first leaf of the params the last call returned
         self._returned_tree: Any = None  # and their tree's structure
 
+    @_one_thread
     def next_kind(self, state: Any) -> StepKind:
         """The kind the next call with ``state`` will run (reads the counter if ``state`` is
         not the one this dispatcher returned last, and settles the steps the call would
@@ -500,6 +517,7 @@ class KindDispatcher:
         self._raw[name] = raw
         self.programs[name] = (lambda *a: raw(*a)[0]) if self._counted else raw
 
+    @_one_thread
     def precompile(
         self,
         *args: Any,
@@ -537,6 +555,7 @@ class KindDispatcher:
             future.result()
         return self._precompile(self._ahead_of_time(args, kinds), args, max_workers)
 
+    @_one_thread
     def precompile_in_background(
         self,
         *args: Any,
@@ -580,6 +599,7 @@ class KindDispatcher:
         threading.Thread(target=run, name="precompile").start()
         return done
 
+    @_one_thread
     def memory_analysis(
         self, *args: Any, kinds: Sequence[StepKind] | None = None
     ) -> dict[str, KindMemory]:
@@ -707,23 +727,9 @@ class KindDispatcher:
                 future.result()
         return seconds
 
+    @_one_thread
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        me = threading.get_ident()
-        with self._entry:
-            if self._caller not in (None, me):
-                raise RuntimeError(
-                    "This dispatcher is running a step on another thread. A dispatcher keeps "
-                    "one run's step number on the host, so two threads stepping through it at "
-                    "once send each other's states the wrong kinds (a trial: one thread's run "
-                    "refused 30 of its 40 steps, silently). Give each thread its own: "
-                    "dp.jit(step, schedule=...) or ozo.dispatch_by_kind(...) again."
-                )
-            outermost, self._caller = self._caller is None, me
-        try:
-            return self._call(*args, **kwargs)
-        finally:
-            if outermost:
-                self._caller = None
+        return self._call(*args, **kwargs)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -878,6 +884,7 @@ class KindDispatcher:
                 "results: pass the position of the params (e.g. 0 for (params, opt_state))."
             )
 
+    @_one_thread
     def settle(self) -> None:
         """Checks every step still in flight (waits for them); raises as a call would."""
         if self._pending and not self._pending[-1].checked:
@@ -919,7 +926,46 @@ class KindDispatcher:
             last = next((i for i, p in enumerate(self._pending) if p.checked), None)
             if last is None or len(self._pending) - 1 - last < lag:
                 return
-            self._settle([self._pending.popleft() for _ in range(last + 1)])
+            # all or nothing: an interrupt (Ctrl-C while the host waits for the counts) left
+            # the window popped and the count moved, so a skip in it was never accounted for,
+            # and the run stalled, then raised a false "refused" (a review)
+            saved = self._settled_fields()
+            try:
+                self._settle([self._pending.popleft() for _ in range(last + 1)])
+            except ValueError:  # the dispatcher's own verdict on these steps
+                raise
+            except BaseException:
+                self._restore_settled(saved)
+                raise
+
+    def _settled_fields(self) -> tuple:
+        """What :meth:`_settle` and :meth:`_predict` change, to put back."""
+        pending = list(self._pending)
+        return (
+            pending,
+            [p.stale for p in pending],
+            self._confirmed,
+            self.skipped,
+            self.lost,
+            self.step,
+            self._stalled,
+            self._warned_stalled,
+        )
+
+    def _restore_settled(self, saved: tuple) -> None:
+        pending, stale, *fields = saved
+        self._pending.clear()
+        self._pending.extend(pending)
+        for p, was in zip(pending, stale, strict=True):
+            p.stale = was
+        (
+            self._confirmed,
+            self.skipped,
+            self.lost,
+            self.step,
+            self._stalled,
+            self._warned_stalled,
+        ) = fields
 
     def _probe(self, state: Any, trusted: bool = False, counter_only: bool = False) -> tuple:
         """The state's step counter and its refused-hint arrays, found through the hooks once
