@@ -864,6 +864,54 @@ def test_dispatch_moves_back_after_a_step_every_worker_skipped():
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
 
 
+def test_an_interrupt_while_the_host_reads_a_windows_counts_loses_nothing(monkeypatch):
+    """A review: a Ctrl-C while the dispatcher waited for a window's counts (after a skip) lost
+    the window, so the skip was never accounted for; every later call was refused without a
+    word until the dispatcher raised a false "refused ... the schedule is not the
+    optimizer's". Retrying the interrupted call now goes on as if it had not come."""
+    from optax_zero_one.integration import dispatch
+
+    tx = zero_one()
+
+    def make():
+        return ozo.dispatch_by_kind(
+            lambda kind: jax.jit(
+                jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS)
+            ),
+            SCHEDULE,
+        )
+
+    def grads(i):
+        g = grads_at(i)
+        return {**g, "w": g["w"].at[2, 0, 0].set(jnp.nan)} if i == 3 else g  # step 3 skipped
+
+    params = params0()
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    ends = []
+    for interrupt in (False, True):
+        run, p, s = make(), params, state
+        settle, seen = dispatch.KindDispatcher._settle, []
+
+        def interrupted(self, window, settle=settle, seen=seen, interrupt=interrupt):
+            seen.append(window[0].step)
+            if interrupt and len(seen) == 2:
+                raise KeyboardInterrupt  # as if it landed in the read of the counts
+            return settle(self, window)
+
+        monkeypatch.setattr(dispatch.KindDispatcher, "_settle", interrupted)
+        k = 1
+        while k <= 30:
+            try:
+                p, s = run(p, s, grads(k))
+            except KeyboardInterrupt:
+                continue  # nothing was donated: the same call again
+            k += 1
+        run.settle()
+        ends.append((p, s, run.skipped, run.lost, run.step))
+    assert ends[0][2] == ends[1][2] == 1 and ends[0][2:] == ends[1][2:]
+    assert_same_bits(ends[0][:2], ends[1][:2])
+
+
 RUNS = 2  # independent runs batched under an outer vmap (workers first: (N, RUNS, ...))
 
 
