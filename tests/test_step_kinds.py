@@ -912,6 +912,26 @@ def test_an_interrupt_while_the_host_reads_a_windows_counts_loses_nothing(monkey
     assert_same_bits(ends[0][:2], ends[1][:2])
 
 
+def test_the_last_state_consumed_by_an_interrupted_call_is_named_as_such():
+    """A review: where a donating call was interrupted after it took the state the dispatcher
+    returned last, passing that state again gave JAX's "Array has been deleted" (the
+    dispatcher's fast path for its own last state skipped its check)."""
+    tx = zero_one()
+    run = ozo.dispatch_by_kind(
+        lambda kind: jax.jit(
+            jax.vmap(lambda p, s, g: _step(tx, p, s, g, kind), axis_name=AXIS),
+            donate_argnums=(0, 1),
+        ),
+        SCHEDULE,
+    )
+    params = params0()
+    p, s = run(params, jax.vmap(tx.init, axis_name=AXIS)(params), grads_at(1))
+    for leaf in jax.tree.leaves(s):  # what the interrupted call's donation leaves
+        leaf.delete()
+    with pytest.raises(RuntimeError, match="that an earlier call consumed"):
+        run(p, s, grads_at(2))
+
+
 RUNS = 2  # independent runs batched under an outer vmap (workers first: (N, RUNS, ...))
 
 

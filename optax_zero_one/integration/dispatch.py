@@ -998,8 +998,8 @@ class KindDispatcher:
     def _sync_with(self, state: Any) -> None:
         if self._last_counter is not None:  # a loop passing back the last state: no flatten
             counter, _ = self._probe(state, trusted=True, counter_only=True)
-            if counter is self._last_counter:
-                return
+            if counter is self._last_counter and not _deleted(counter):
+                return  # (deleted: a donating call interrupted after it took them, said below)
         counter, refused = self._probe(state)
         if _deleted(counter):
             raise consumed("opt_state", "no donation (donate=False, or no donate_argnums)")
