@@ -246,18 +246,24 @@ class DataParallel:
             target = NamedSharding(self.mesh, P(self.data_axis, *spec))
             shape = (self.num_workers, *x.shape)
             blocks = {s.device: s.data for s in x.addressable_shards}
-            devices = list(target.addressable_devices_indices_map(shape))
-            return shape, target, [(d, blocks[d]) for d in devices]
+            return shape, target, [blocks[d] for d in target.addressable_devices_indices_map(shape)]
 
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         spec_leaves = treedef.flatten_up_to(specs)
         planned = [one(path, x, spec) for (path, x), spec in zip(leaves, spec_leaves, strict=True)]
-        stacked = _stacked_blocks([blocks for _, _, blocks in planned])
+        # one program per device for all the leaves' blocks (distributed.on_each_device)
+        stacked = iter(
+            distributed.on_each_device(
+                _with_leading_axis, [b for _, _, blocks in planned for b in blocks]
+            )
+        )
         return jax.tree.unflatten(
             treedef,
             [
-                jax.make_array_from_single_device_arrays(shape, target, rows)
-                for (shape, target, _), rows in zip(planned, stacked, strict=True)
+                jax.make_array_from_single_device_arrays(
+                    shape, target, [next(stacked) for _ in blocks]
+                )
+                for shape, target, blocks in planned
             ],
         )
 
@@ -1480,25 +1486,6 @@ def _check_structure(tree: Any, specs: Any, what: str, specs_what: str) -> None:
     want = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P))
     if got != want:
         raise ValueError(f"{what} does not have the structure of {specs_what}: {got} vs {want}")
-
-
-@distributed.outside_user_mesh
-def _stacked_blocks(per_leaf: list[list[tuple[Any, jax.Array]]]) -> list[list[jax.Array]]:
-    """Each leaf's ``(device, block)`` pairs as the blocks with a leading axis of one
-    (``block[None]``), made on each device by one program for all the leaves' blocks there.
-    Made op by op, every leaf shape on every device compiled a program of its own: 800 for
-    ``to_workers`` of 100 leaves of distinct shapes on 8 devices in a trial, 7 s in a fresh
-    process without a compilation cache."""
-    out: list[list[Any]] = [[None] * len(blocks) for blocks in per_leaf]
-    on_device: dict[Any, list[tuple[int, int, jax.Array]]] = {}
-    for i, blocks in enumerate(per_leaf):
-        for j, (device, block) in enumerate(blocks):
-            on_device.setdefault(device, []).append((i, j, block))
-    for found in on_device.values():
-        made = _with_leading_axis(tuple(block for _, _, block in found))
-        for (i, j, _), x in zip(found, made, strict=True):
-            out[i][j] = x
-    return out
 
 
 @jax.jit

@@ -938,34 +938,22 @@ class KindDispatcher:
                 self._restore_settled(saved)
                 raise
 
+    # the scalars _settle and _predict change (beside the pending steps and their stale flags)
+    _SETTLED = ("_confirmed", "skipped", "lost", "step", "_stalled", "_warned_stalled")
+
     def _settled_fields(self) -> tuple:
         """What :meth:`_settle` and :meth:`_predict` change, to put back."""
         pending = list(self._pending)
-        return (
-            pending,
-            [p.stale for p in pending],
-            self._confirmed,
-            self.skipped,
-            self.lost,
-            self.step,
-            self._stalled,
-            self._warned_stalled,
-        )
+        return pending, [p.stale for p in pending], [getattr(self, f) for f in self._SETTLED]
 
     def _restore_settled(self, saved: tuple) -> None:
-        pending, stale, *fields = saved
+        pending, stale, values = saved
         self._pending.clear()
         self._pending.extend(pending)
         for p, was in zip(pending, stale, strict=True):
             p.stale = was
-        (
-            self._confirmed,
-            self.skipped,
-            self.lost,
-            self.step,
-            self._stalled,
-            self._warned_stalled,
-        ) = fields
+        for field, value in zip(self._SETTLED, values, strict=True):
+            setattr(self, field, value)
 
     def _probe(self, state: Any, trusted: bool = False, counter_only: bool = False) -> tuple:
         """The state's step counter and its refused-hint arrays, found through the hooks once
@@ -1121,30 +1109,27 @@ class KindDispatcher:
 Samples = dict[tuple, list[tuple[int, np.ndarray]]]
 
 
-@outside_user_mesh
 def _samples_of(leaves: Sequence[jax.Array]) -> list[Samples]:
     """Up to 64 elements of each worker's row of each of ``leaves`` (leading axis: the
     workers), from the shards this process holds, grouped by where the shard lies besides the
     worker axis (model shards hold different values), in worker order. Taken on each device by
-    one program for all the leaves' shards there (:func:`_sample_rows`): taken shard by shard,
-    op by op, every leaf shape on every device compiled programs of its own, 1,360 at the first
-    sync of a trial's run (100 leaves of distinct shapes, 8 devices), ~30 s without a
-    compilation cache."""
+    one program for all the leaves' shards there (:func:`_sample_rows`,
+    :func:`~optax_zero_one.integration.distributed.on_each_device`)."""
+    shards = [
+        (i, shard, shard.data.shape[0] if isinstance(shard.index[0], slice) else 1)
+        for i, leaf in enumerate(leaves)
+        for shard in leaf.addressable_shards
+        if shard.data.size  # index[0]: a slice, or an int where a sharding drops the axis
+    ]
+    taken = distributed.on_each_device(
+        _sample_rows, [s.data for _, s, _ in shards], tuple(c for _, _, c in shards)
+    )
     out: list[Samples] = [{} for _ in leaves]
-    on_device: dict[Any, list[tuple[int, Any, int]]] = {}
-    for i, leaf in enumerate(leaves):
-        for shard in leaf.addressable_shards:
-            if shard.data.size:
-                lead = shard.index[0]  # a slice, or an int where a sharding drops the axis
-                count = shard.data.shape[0] if isinstance(lead, slice) else 1
-                on_device.setdefault(shard.device, []).append((i, shard, count))
-    for found in on_device.values():
-        taken = _sample_rows(tuple(s.data for _, s, _ in found), tuple(c for _, _, c in found))
-        for (i, shard, count), sample in zip(found, jax.device_get(taken), strict=True):
-            lead = shard.index[0]
-            first = (lead.start or 0) if isinstance(lead, slice) else int(lead)
-            rows = out[i].setdefault(_where(shard.index), [])
-            rows.extend((first + r, sample[r]) for r in range(count))
+    for (i, shard, count), sample in zip(shards, jax.device_get(taken), strict=True):
+        lead = shard.index[0]
+        first = (lead.start or 0) if isinstance(lead, slice) else int(lead)
+        rows = out[i].setdefault(_where(shard.index), [])
+        rows.extend((first + r, sample[r]) for r in range(count))
     for samples in out:  # in worker order, whatever the devices' order
         for rows in samples.values():
             rows.sort(key=lambda row: row[0])

@@ -291,6 +291,24 @@ def _dtype_of(x: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
 
 
+@outside_user_mesh
+def on_each_device(program: Callable[..., tuple], blocks: list[jax.Array], *static: tuple) -> list:
+    """``program``'s results for ``blocks`` (arrays of one device each), in their order: one
+    call per device with that device's blocks as a tuple (and the entries of each ``static``
+    tuple that go with them), so that host-side helpers compile one small program per device,
+    not one per block shape and device (op by op: 800 and 1,360 compiles at 100 leaves on 8
+    devices in a trial of restart costs, ~37 s without a compilation cache)."""
+    on_device: dict[Any, list[int]] = {}
+    for i, block in enumerate(blocks):
+        on_device.setdefault(next(iter(block.devices())), []).append(i)
+    out: list[Any] = [None] * len(blocks)
+    for where in on_device.values():
+        taken = [tuple(blocks[i] for i in where), *(tuple(s[i] for i in where) for s in static)]
+        for i, result in zip(where, program(*taken), strict=True):
+            out[i] = result
+    return out
+
+
 def _addressable_rows(x: Any) -> tuple[list[int], np.ndarray]:
     """The rows of a worker-layout array that this process holds: (indices, their values)."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
